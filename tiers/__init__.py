@@ -1,1 +1,1 @@
-"""himamba.tiers."""
+"""himamba.tiers: pinned-CPU slot pool, block transfers, LMCache storage."""

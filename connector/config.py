@@ -1,0 +1,133 @@
+"""Connector configuration: one dataclass, every tunable with its default and why.
+
+Read from ``kv_connector_extra_config`` (and optionally a YAML file named by
+``config_file``). Unknown keys are rejected: a typo such as ``cpu_cache_bg``
+silently falling back to a default is how production caches end up disabled.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_GIB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A bad himamba config value; the message names the key."""
+
+
+@dataclass(frozen=True)
+class HiMambaConfig:
+    # Pinned-CPU tier size. 8 GiB holds ~130k blocks of a small hybrid model;
+    # big enough to matter, small enough to coexist with vLLM's own host use.
+    cpu_cache_gb: float = 8.0
+    # Share of the CPU tier reserved for Mamba state snapshots. A prefix is only
+    # hittable where a state exists, but states are stored once per boundary
+    # while KV is stored per block, so a quarter keeps both pools busy.
+    mamba_cache_fraction: float = 0.25
+    # Skip loads shorter than this many tokens: tiny hits cost a transfer and a
+    # scheduling round-trip for little saved compute. 0 = any block-sized hit.
+    min_load_tokens: int = 0
+    # Also keep KV of decode-phase blocks, so a follow-up turn that extends
+    # this conversation can hit beyond the original prompt.
+    store_decode_blocks: bool = True
+    # Storage tier (LMCache adapters); None = CPU tier only. Parsed by
+    # himamba.tiers.storage_config when present.
+    storage: dict[str, Any] | None = None
+    # Where the settings came from, for error messages and logs.
+    source: str = field(default="kv_connector_extra_config", compare=False)
+
+    @property
+    def cpu_cache_bytes(self) -> int:
+        return int(self.cpu_cache_gb * _GIB)
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> HiMambaConfig:
+        """Build and validate from vLLM's ``kv_connector_extra_config``."""
+        extra = dict(extra or {})
+        source = "kv_connector_extra_config"
+        config_file = extra.pop("config_file", None)
+        if config_file is not None:
+            file_values = _load_yaml(config_file)
+            # Inline keys win over the file, so one deployment can override one knob.
+            extra = {**file_values, **extra}
+            source = f"{config_file} + kv_connector_extra_config"
+        known = {f.name for f in fields(cls)} - {"source"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"himamba: unknown config key(s) {unknown} in {source}; known keys: {sorted(known)}"
+            )
+        values = {k: _coerce(k, v) for k, v in extra.items()}
+        cfg = cls(**values, source=source)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if not self.cpu_cache_gb > 0:
+            raise ConfigError(f"himamba: cpu_cache_gb must be > 0, got {self.cpu_cache_gb!r}")
+        if not 0.0 < self.mamba_cache_fraction < 1.0:
+            raise ConfigError(
+                "himamba: mamba_cache_fraction must be in (0, 1), "
+                f"got {self.mamba_cache_fraction!r}"
+            )
+        if self.min_load_tokens < 0:
+            raise ConfigError(
+                f"himamba: min_load_tokens must be >= 0, got {self.min_load_tokens!r}"
+            )
+        if self.storage is not None and not isinstance(self.storage, dict):
+            raise ConfigError(
+                f"himamba: storage must be a mapping, got {type(self.storage).__name__}"
+            )
+
+
+_TYPES: dict[str, type] = {
+    "cpu_cache_gb": float,
+    "mamba_cache_fraction": float,
+    "min_load_tokens": int,
+    "store_decode_blocks": bool,
+}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Convert JSON/YAML scalars to the declared type, naming the key on failure."""
+    want = _TYPES.get(key)
+    if want is None:
+        return value
+    if want is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ConfigError(f"himamba: {key} must be true or false, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"himamba: {key} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"himamba: {key} must be a number, got {value!r}") from None
+    if want is int:
+        if number != int(number):
+            raise ConfigError(f"himamba: {key} must be a whole number, got {value!r}")
+        return int(number)
+    return number
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    path = os.path.expanduser(str(path))
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"himamba: config_file {path!r} cannot be read: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"himamba: config_file {path!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"himamba: config_file {path!r} must hold a mapping at top level")
+    return data

@@ -1,0 +1,163 @@
+"""Worker half: owns the host slot pools and moves bytes as the scheduler's plan says.
+
+It never decides anything: every slot and block id comes from the scheduler
+half. Stores run in ``wait_for_save`` (after the step's forward, before any
+later step can overwrite the source blocks); loads run in ``start_load_kv`` and
+complete within the step, so the scheduler learns of them on the next update.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from himamba.connector.jobs import LoadJob, StepPlan, StoreBatch
+from himamba.connector.layout import GroupLayout, HybridLayout
+from himamba.mamba_state.snapshot import NULL_BLOCK, MambaSnapshotter
+from himamba.tiers.cpu_pool import HostSlotPool
+from himamba.tiers.transfer import LayerBlocks, device_to_host, host_to_device
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerHalf:
+    def __init__(self, layout: HybridLayout, kv_slots: int, mamba_slots: int) -> None:
+        self.layout = layout
+        self.kv_slots = kv_slots
+        self.mamba_slots = mamba_slots
+        self.kv_layers: list[LayerBlocks] = []
+        self.kv_pool: HostSlotPool | None = None
+        self.mamba: MambaSnapshotter | None = None
+        self._finished: set[str] = set()
+        self._failed: set[str] = set()
+        self.counters: dict[str, float] = {
+            "bytes_loaded": 0,
+            "bytes_stored": 0,
+            "load_seconds": 0.0,
+            "store_seconds": 0.0,
+            "loads_failed": 0,
+        }
+
+    # -- setup ---------------------------------------------------------------
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        num_blocks = self.layout.num_gpu_blocks
+        self.kv_layers = self._wrap(self.layout.attention, kv_caches, num_blocks)
+        mamba_layers = self._wrap(self.layout.mamba, kv_caches, num_blocks)
+        pin = any(t.tensor.is_cuda for t in self.kv_layers) and torch.cuda.is_available()
+        self.kv_pool = HostSlotPool([t.block_bytes for t in self.kv_layers], self.kv_slots, pin)
+        mamba_pool = HostSlotPool([t.block_bytes for t in mamba_layers], self.mamba_slots, pin)
+        self.mamba = MambaSnapshotter(
+            mamba_layers, [len(g.layer_names) for g in self.layout.mamba], mamba_pool
+        )
+        logger.info(
+            "himamba: host tier %d KV slots x %d B + %d Mamba slots x %d B (%.2f GiB)",
+            self.kv_slots,
+            self.kv_pool.slot_bytes,
+            self.mamba_slots,
+            mamba_pool.slot_bytes,
+            (self.kv_pool.nbytes + mamba_pool.nbytes) / (1 << 30),
+        )
+
+    @staticmethod
+    def _wrap(
+        groups: tuple[GroupLayout, ...], kv_caches: dict[str, Any], num_blocks: int
+    ) -> list[LayerBlocks]:
+        layers = []
+        for group in groups:
+            for name in group.layer_names:
+                cache = kv_caches.get(name)
+                if cache is None:
+                    raise RuntimeError(f"himamba: vLLM registered no KV cache for layer {name}")
+                if isinstance(cache, (list, tuple)):
+                    raise RuntimeError(
+                        f"himamba: layer {name} has a list of caches; expected one page tensor"
+                    )
+                layer = LayerBlocks.wrap(name, cache, num_blocks)
+                # Attention views carry exactly the page; Mamba views may be the
+                # padded page, of which only the first real bytes matter.
+                if layer.block_bytes < group.layer_block_bytes:
+                    raise RuntimeError(
+                        f"himamba: layer {name} has {layer.block_bytes} B per block, "
+                        f"its spec says {group.layer_block_bytes} B"
+                    )
+                if layer.block_bytes != group.layer_block_bytes:
+                    raise RuntimeError(
+                        f"himamba: layer {name} page is {layer.block_bytes} B but only "
+                        f"{group.layer_block_bytes} B are state; padded views are unsupported"
+                    )
+                layers.append(layer)
+        return layers
+
+    # -- per step --------------------------------------------------------------
+    def run_loads(self, plan: StepPlan) -> None:
+        for job in plan.loads:
+            start = time.perf_counter()
+            try:
+                self._load(job)
+                self._finished.add(job.req_id)
+            except Exception as exc:  # noqa: BLE001 - any failure must become a recompute
+                logger.warning("himamba: load for %s failed: %s", job.req_id, exc)
+                self.counters["loads_failed"] += 1
+                self._finished.add(job.req_id)
+                self._failed.add(job.req_id)
+            self.counters["load_seconds"] += time.perf_counter() - start
+
+    def _load(self, job: LoadJob) -> None:
+        if job.doomed:
+            raise RuntimeError(job.doomed)
+        assert self.kv_pool is not None and self.mamba is not None
+        self._check_slots(job.kv_slots, self.kv_slots)
+        self._check_slots([job.mamba_slot], self.mamba_slots)
+        for blocks in job.kv_blocks:
+            self._check_blocks(blocks, len(job.kv_slots))
+        moved = 0
+        if job.kv_slots:
+            per_layer = self._kv_per_layer(job.kv_blocks)
+            moved += host_to_device(self.kv_layers, per_layer, self.kv_pool, job.kv_slots)
+        moved += self.mamba.restore([[b] for b in job.mamba_blocks], [job.mamba_slot])
+        self.counters["bytes_loaded"] += moved
+
+    def run_stores(self, plan: StepPlan) -> None:
+        start = time.perf_counter()
+        moved = 0
+        assert self.kv_pool is not None and self.mamba is not None
+        if plan.kv_stores:
+            moved += device_to_host(
+                self.kv_layers,
+                self._kv_per_layer(plan.kv_stores.blocks),
+                self.kv_pool,
+                plan.kv_stores.slots,
+            )
+        if plan.mamba_stores:
+            moved += self.mamba.snapshot(plan.mamba_stores.blocks, plan.mamba_stores.slots)
+        self.counters["bytes_stored"] += moved
+        self.counters["store_seconds"] += time.perf_counter() - start
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        finished, failed = self._finished, self._failed
+        self._finished, self._failed = set(), set()
+        return finished, failed
+
+    # -- helpers -----------------------------------------------------------------
+    def _kv_per_layer(self, group_blocks: list[list[int]]) -> list[list[int]]:
+        per_layer: list[list[int]] = []
+        for blocks, group in zip(group_blocks, self.layout.attention):
+            per_layer.extend([blocks] * len(group.layer_names))
+        return per_layer
+
+    def _check_blocks(self, blocks: list[int], expected: int) -> None:
+        if len(blocks) != expected:
+            raise ValueError(f"{len(blocks)} destination blocks for {expected} slots")
+        if any(b == NULL_BLOCK or not 0 < b < self.layout.num_gpu_blocks for b in blocks):
+            raise ValueError(f"invalid destination block in {blocks}")
+
+    @staticmethod
+    def _check_slots(slots: list[int], capacity: int) -> None:
+        if any(not 0 <= s < capacity for s in slots):
+            raise ValueError(f"slot out of range in {slots} (capacity {capacity})")
+
+
+__all__ = ["WorkerHalf", "StoreBatch"]
