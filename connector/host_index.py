@@ -174,6 +174,22 @@ class HostIndex:
         self._kv.clear_unlocked()
         self._mamba.clear_unlocked()
 
+    def locked_entries(self) -> int:
+        """Entries held by a lock; 0 whenever no load is pending or in flight."""
+        return sum(e.locks > 0 for e in self._kv.entries.values()) + sum(
+            e.locks > 0 for e in self._mamba.entries.values()
+        )
+
+    def conserved(self) -> bool:
+        """Pool conservation: every slot is either free or owned by exactly one entry."""
+        for pool in (self._kv, self._mamba):
+            owned = [e.slot for e in pool.entries.values()]
+            if len(owned) + len(pool.free) != pool.capacity:
+                return False
+            if len(set(owned) | set(pool.free)) != pool.capacity:
+                return False
+        return True
+
     def stats(self) -> dict[str, int]:
         return {
             "host_kv_used": self._kv.used,

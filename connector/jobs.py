@@ -37,7 +37,7 @@ class StoreBatch:
         if not self.blocks:
             self.blocks = [[] for _ in group_blocks]
         self.slots.append(slot)
-        for column, block in zip(self.blocks, group_blocks):
+        for column, block in zip(self.blocks, group_blocks, strict=True):
             column.append(block)
 
     def __len__(self) -> int:

@@ -140,7 +140,7 @@ class SchedulerHalf:
     def _computed_before_step(self, scheduler_output: Any) -> dict[str, int]:
         out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
-        out.update(zip(cached.req_ids, cached.num_computed_tokens))
+        out.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         return out
 
     def _plan_kv_stores(
@@ -227,6 +227,16 @@ class SchedulerHalf:
         pending = self._pending.pop(req_id, None)
         if pending is not None:
             self.index.unlock(pending.handle)
+
+    def leak_report(self) -> dict[str, int | bool]:
+        """What is still held; all zero (and conserved) once the engine is idle."""
+        return {
+            "pending_hits": len(self._pending),
+            "inflight_loads": len(self._inflight),
+            "tracked_requests": len(self._tracked),
+            "locked_entries": self.index.locked_entries(),
+            "slots_conserved": self.index.conserved(),
+        }
 
     def stats(self) -> dict[str, int]:
         return {**self.counters, **self.index.stats()}

@@ -85,9 +85,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         return self.scheduler.lookup(request, num_computed_tokens)
 
-    def update_state_after_alloc(
-        self, request: Any, blocks: Any, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.scheduler is not None:
             self.scheduler.after_alloc(request, blocks, num_external_tokens)
 

@@ -144,7 +144,7 @@ class WorkerHalf:
     # -- helpers -----------------------------------------------------------------
     def _kv_per_layer(self, group_blocks: list[list[int]]) -> list[list[int]]:
         per_layer: list[list[int]] = []
-        for blocks, group in zip(group_blocks, self.layout.attention):
+        for blocks, group in zip(group_blocks, self.layout.attention, strict=True):
             per_layer.extend([blocks] * len(group.layer_names))
         return per_layer
 

@@ -32,7 +32,7 @@ class MambaSnapshotter:
                 f"{len(self.layers_per_group)}"
             )
         out: list[Sequence[int]] = []
-        for blocks, count in zip(group_blocks, self.layers_per_group):
+        for blocks, count in zip(group_blocks, self.layers_per_group, strict=True):
             if any(b == NULL_BLOCK for b in blocks):
                 raise ValueError("a Mamba boundary state cannot live in the null block")
             out.extend([blocks] * count)

@@ -35,7 +35,7 @@ class MambaStateLayout:
         cls, shapes: Sequence[Sequence[int]], dtypes: Sequence[torch.dtype]
     ) -> MambaStateLayout:
         parts, offset = [], 0
-        for shape, dtype in zip(shapes, dtypes):
+        for shape, dtype in zip(shapes, dtypes, strict=True):
             part = StatePart(tuple(int(s) for s in shape), dtype, offset)
             parts.append(part)
             offset += part.nbytes

@@ -43,7 +43,7 @@ class HostSlotPool:
         """All layers of one slot as one contiguous byte tensor (for storage tiers)."""
         out = torch.empty(self.slot_bytes, dtype=torch.uint8) if out is None else out
         offset = 0
-        for row, nbytes in zip(self.rows, self.layer_bytes):
+        for row, nbytes in zip(self.rows, self.layer_bytes, strict=True):
             out[offset : offset + nbytes].copy_(row[slot])
             offset += nbytes
         return out
@@ -53,6 +53,6 @@ class HostSlotPool:
         if data.numel() != self.slot_bytes:
             raise ValueError(f"slot payload is {data.numel()} bytes, expected {self.slot_bytes}")
         offset = 0
-        for row, nbytes in zip(self.rows, self.layer_bytes):
+        for row, nbytes in zip(self.rows, self.layer_bytes, strict=True):
             row[slot].copy_(data[offset : offset + nbytes])
             offset += nbytes

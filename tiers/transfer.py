@@ -69,7 +69,7 @@ def device_to_host(
     """Copy block ``layer_block_ids[l][i]`` of layer l into slot ``slots[i]``; returns bytes."""
     slot_idx = _ids(slots, torch.device("cpu"))
     moved = 0
-    for layer, row, ids in zip(layers, pool.rows, layer_block_ids):
+    for layer, row, ids in zip(layers, pool.rows, layer_block_ids, strict=True):
         data = layer.gather(_ids(ids, layer.tensor.device))
         row.index_copy_(0, slot_idx, data.to("cpu"))
         moved += data.numel()
@@ -85,7 +85,7 @@ def host_to_device(
     """Copy slot ``slots[i]`` into block ``layer_block_ids[l][i]`` of each layer l."""
     slot_idx = _ids(slots, torch.device("cpu"))
     moved = 0
-    for layer, row, ids in zip(layers, pool.rows, layer_block_ids):
+    for layer, row, ids in zip(layers, pool.rows, layer_block_ids, strict=True):
         device = layer.tensor.device
         data = row.index_select(0, slot_idx)
         if device.type != "cpu":

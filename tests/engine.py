@@ -1,0 +1,27 @@
+"""Run a scenario from tests/scenarios.py in a fresh interpreter and return its RESULT."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_scenario(name: str, args: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "scenarios.py"), name, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(HERE)},
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
+    raise AssertionError(f"scenario {name} failed (rc={proc.returncode}):\n{tail}")
