@@ -1,0 +1,61 @@
+"""Connector config: defaults, YAML files, and errors that name the offending key."""
+
+from __future__ import annotations
+
+import pytest
+
+from himamba.connector.config import ConfigError, HiMambaConfig
+
+
+def test_defaults_apply_when_no_extra_config_is_given():
+    cfg = HiMambaConfig.from_extra_config(None)
+    assert cfg.cpu_cache_gb == 8.0
+    assert cfg.cpu_cache_bytes == 8 << 30
+    assert cfg.store_decode_blocks is True
+
+
+def test_string_and_int_values_from_json_are_coerced():
+    cfg = HiMambaConfig.from_extra_config(
+        {"cpu_cache_gb": "2", "min_load_tokens": 256.0, "store_decode_blocks": "false"}
+    )
+    assert cfg.cpu_cache_gb == 2.0 and cfg.min_load_tokens == 256
+    assert cfg.store_decode_blocks is False
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"cpu_cache_bg": 8}, "cpu_cache_bg"),
+        ({"cpu_cache_gb": 0}, "cpu_cache_gb"),
+        ({"cpu_cache_gb": "lots"}, "cpu_cache_gb"),
+        ({"mamba_cache_fraction": 1.5}, "mamba_cache_fraction"),
+        ({"min_load_tokens": -1}, "min_load_tokens"),
+        ({"min_load_tokens": 1.5}, "min_load_tokens"),
+        ({"store_decode_blocks": "maybe"}, "store_decode_blocks"),
+        ({"storage": "file:///x"}, "storage"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_key_named(extra, key):
+    with pytest.raises(ConfigError, match=key):
+        HiMambaConfig.from_extra_config(extra)
+
+
+def test_yaml_config_file_is_read_and_inline_keys_win(tmp_path):
+    path = tmp_path / "himamba.yaml"
+    path.write_text("cpu_cache_gb: 3\nmin_load_tokens: 512\n")
+    cfg = HiMambaConfig.from_extra_config({"config_file": str(path), "min_load_tokens": 128})
+    assert cfg.cpu_cache_gb == 3.0
+    assert cfg.min_load_tokens == 128
+
+
+def test_unreadable_or_malformed_config_file_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="config_file"):
+        HiMambaConfig.from_extra_config({"config_file": str(tmp_path / "missing.yaml")})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        HiMambaConfig.from_extra_config({"config_file": str(bad)})
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("cpu_cache_gbs: 3\n")
+    with pytest.raises(ConfigError, match="cpu_cache_gbs"):
+        HiMambaConfig.from_extra_config({"config_file": str(typo)})

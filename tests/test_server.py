@@ -1,0 +1,148 @@
+"""The OpenAI-compatible server with the connector: CPU-tier hits through HTTP, same tokens.
+
+The server runs as users run it (multi-process engine: scheduler half in the engine-core
+process, worker half in the worker process) on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from engine import run_scenario
+from scenarios import prompt
+
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
+
+KV_CONFIG = {
+    "kv_connector": "HiMambaConnector",
+    "kv_connector_module_path": "himamba.connector",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {"cpu_cache_gb": 0.05},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(granite_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(granite_model),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "4",
+        "--enable-prefix-caching",
+        "--kv-transfer-config",
+        json.dumps(KV_CONFIG),
+    ]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited early:\n{log.read_text()[-5000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        else:
+            raise AssertionError(f"server not ready in 240 s:\n{log.read_text()[-5000:]}")
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def complete(base: str, ids: list[int]) -> list[int]:
+    body = {
+        "model": "tiny",
+        "prompt": ids,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    resp = requests.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return list(resp.json()["choices"][0]["token_ids"])
+
+
+def external_hits(base: str) -> float:
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"vllm:external_prefix_cache_hits(?:_total)?(?:\{[^}]*\})? ([0-9.e+]+)$", line)
+        if m:
+            total += float(m.group(1))
+    return total
+
+
+def test_server_serves_cpu_tier_hit_with_tokens_of_a_connectorless_engine(server, granite_model):
+    a = prompt(1, 1000)
+    ref = run_scenario("baseline", {"model": str(granite_model), "prompts": [a]})["single"][0]
+    cold = complete(server, a)
+    assert requests.post(f"{server}/reset_prefix_cache", timeout=30).status_code == 200
+    hits_before = external_hits(server)
+    warm = complete(server, a)
+    assert cold == ref["tokens"]
+    assert warm == ref["tokens"]
+    # 896 of the 1000 prompt tokens (7 blocks of 128) came through the connector.
+    assert external_hits(server) - hits_before == 896
+
+
+def test_server_chat_request_with_text_works_and_repeats_identically(server):
+    words = " ".join(f"t{7 + i % 1000}" for i in range(600))
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    first = requests.post(f"{server}/v1/chat/completions", json=body, timeout=120)
+    assert first.status_code == 200, first.text
+    requests.post(f"{server}/reset_prefix_cache", timeout=30)
+    second = requests.post(f"{server}/v1/chat/completions", json=body, timeout=120)
+    assert second.status_code == 200, second.text
+    assert first.json()["choices"][0]["message"] == second.json()["choices"][0]["message"]
