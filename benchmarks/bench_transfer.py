@@ -1,0 +1,176 @@
+"""CPU-tier copy throughput: ``device_to_host`` / ``host_to_device`` vs a plain torch copy.
+
+Caches are laid out as vLLM lays out a hybrid model's: one raw int8 buffer per layer of
+``num_blocks * page`` bytes (page = 64 KiB), viewed either as an attention cache
+``[num_blocks, 2, 128, 128]`` bf16 (the whole page) or as a Mamba state view
+``[num_blocks, 1, 1, 36032]`` int8 with block stride 65536 (the state uses only the first
+36032 bytes of each padded page). Each batch copies ``n`` random distinct blocks of every
+layer to / from ``n`` random host slots (``HostSlotPool``), as the connector's stores and
+loads do. The reference is ``dst.copy_(src)`` of one contiguous tensor of the same number
+of bytes, in the same run. Output: one JSON line per (direction, batch size), then a summary.
+
+    python benchmarks/bench_transfer.py           # ~1-2 min
+    python benchmarks/bench_transfer.py --quick   # ~15 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from himamba.tiers.cpu_pool import HostSlotPool
+from himamba.tiers.transfer import LayerBlocks, device_to_host, host_to_device
+
+PAGE = 65536
+MAMBA_STATE_BYTES = 36032
+
+
+def build_layers(num_blocks: int, n_attn: int, n_mamba: int, device: str) -> list[LayerBlocks]:
+    layers = []
+    for i in range(n_attn + n_mamba):
+        raw = torch.zeros(num_blocks * PAGE, dtype=torch.int8, device=device)
+        raw.fill_(i % 100 + 1)
+        # Block-distinct bytes at the start of each page, for the round-trip check.
+        raw.view(num_blocks, PAGE)[:, :64].copy_(
+            (torch.arange(num_blocks * 64, device=device) * 7 + i)
+            .view(num_blocks, 64)
+            .to(torch.int8)
+        )
+        if i < n_attn:
+            t = raw.view(torch.bfloat16).view(num_blocks, 2, 128, 128)
+            name = f"attn.{i}"
+        else:
+            t = raw.as_strided(
+                (num_blocks, 1, 1, MAMBA_STATE_BYTES),
+                (PAGE, MAMBA_STATE_BYTES, MAMBA_STATE_BYTES, 1),
+            )
+            name = f"mamba.{i}"
+        layers.append(LayerBlocks.wrap(name, t, num_blocks))
+    return layers
+
+
+def timed(fn: Callable[[], object], iters: int) -> list[float]:
+    fn()  # warm-up: first-touch of destination pages, allocator
+    out = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer iterations and batch sizes")
+    ap.add_argument("--num-blocks", type=int, default=1024, help="blocks per layer cache")
+    ap.add_argument("--attn-layers", type=int, default=4)
+    ap.add_argument("--mamba-layers", type=int, default=28)
+    ap.add_argument("--slots", type=int, default=256, help="host pool slots")
+    ap.add_argument("--batches", default=None, help="comma list of blocks per batch")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args()
+    batches = [int(x) for x in (a.batches or ("8,64" if a.quick else "8,16,32,64")).split(",")]
+    iters = a.iters or (5 if a.quick else 15)
+    if max(batches) > min(a.slots, a.num_blocks - 1):
+        raise SystemExit("batch larger than the pool or the cache")
+
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    layers = build_layers(a.num_blocks, a.attn_layers, a.mamba_layers, a.device)
+    pool = HostSlotPool([lb.block_bytes for lb in layers], a.slots, pin=a.device == "cuda")
+    pool._buffer.fill_(1)  # fault the pool in before timing
+    setup_s = time.perf_counter() - t0
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(1)
+
+    results = []
+    for n in batches:
+        # Fresh random block ids (never block 0, vLLM's null block) and slots per call.
+        def pick(n: int = n) -> tuple[list[list[int]], list[int]]:
+            ids = (torch.randperm(a.num_blocks - 1, generator=gen)[:n] + 1).tolist()
+            slots = torch.randperm(a.slots, generator=gen)[:n].tolist()
+            return [ids] * len(layers), slots
+
+        nbytes = n * pool.slot_bytes
+        src = torch.empty(nbytes, dtype=torch.uint8, device=a.device).fill_(3)
+        dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+
+        def plain(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
+            dst.copy_(src)
+            sync()
+
+        def run(
+            fn: Callable[..., int], nbytes: int = nbytes, pick: Callable = pick
+        ) -> Callable[[], None]:
+            def call() -> None:
+                ids, slots = pick()
+                moved = fn(layers, ids, pool, slots)
+                sync()
+                assert moved == nbytes, (moved, nbytes)
+
+            return call
+
+        base = statistics.median(timed(plain, iters))
+        for direction, fn in (
+            ("device_to_host", device_to_host),
+            ("host_to_device", host_to_device),
+        ):
+            t = statistics.median(timed(run(fn), iters))
+            line = {
+                "direction": direction,
+                "blocks_per_batch": n,
+                "layers": len(layers),
+                "bytes_per_batch": nbytes,
+                "median_s": round(t, 6),
+                "gb_per_s": round(nbytes / t / 1e9, 3),
+                "plain_copy_gb_per_s": round(nbytes / base / 1e9, 3),
+                "ratio_vs_plain_copy": round(base / t, 3),
+            }
+            print(json.dumps(line), flush=True)
+            results.append(line)
+
+    # Correctness spot check: a round trip through the pool restores the same bytes.
+    ids, slots = [list(range(1, 9))] * len(layers), list(range(8))
+    before = [lb.gather(torch.tensor(ids[0], device=a.device)).clone() for lb in layers]
+    device_to_host(layers, ids, pool, slots)
+    for lb in layers:
+        lb.tensor.index_fill_(0, torch.tensor(ids[0], device=a.device), 0)
+    host_to_device(layers, ids, pool, slots)
+    exact = all(
+        torch.equal(b, lb.gather(torch.tensor(ids[0], device=a.device)))
+        for b, lb in zip(before, layers, strict=True)
+    )
+
+    print(
+        json.dumps(
+            {
+                "summary": True,
+                "device": a.device,
+                "threads": torch.get_num_threads(),
+                "nproc": os.cpu_count(),
+                "num_blocks": a.num_blocks,
+                "attn_layers": a.attn_layers,
+                "mamba_layers": a.mamba_layers,
+                "slot_bytes": pool.slot_bytes,
+                "iters": iters,
+                "setup_s": round(setup_s, 2),
+                "round_trip_exact": exact,
+                "median_ratio_vs_plain": round(
+                    statistics.median(r["ratio_vs_plain_copy"] for r in results), 3
+                ),
+                "load_avg_1min": os.getloadavg()[0],
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
