@@ -23,6 +23,10 @@ class HostSlotPool:
         total = sum(self.layer_bytes)
         # One allocation so pinning (and page faults) happen once, up front.
         self._buffer = torch.empty((num_slots * total,), dtype=torch.uint8, pin_memory=pin)
+        if not pin:
+            # Fault every page in now: first-touch page faults would otherwise land on
+            # the first stores, inside an engine step (pinning already faults them in).
+            self._buffer.zero_()
         self.rows: list[torch.Tensor] = []
         offset = 0
         for nbytes in self.layer_bytes:

@@ -2,8 +2,15 @@
 
 vLLM hands each layer's cache as a tensor whose block axis is dim 0 (CPU,
 Mamba pages, most layouts) or dim 1 (GPU ``[2, num_blocks, ...]`` K/V split).
-We gather/scatter along that axis with index ops, so any layout whose block is
-a sub-tensor works, and the host copy of a block is always the same bytes.
+Each layer is reduced to one or two *byte segments*: uint8 views
+``[num_blocks, seg_bytes]`` over the cache's storage (K and V are two segments
+in the split layout). A host slot row is the concatenation of a layer's
+segments, so the stored bytes do not depend on the dtype view.
+
+Why per-row copies on CPU: ``index_select``/``index_copy_`` over strided uint8
+rows run ~8x slower than a loop of row ``copy_`` calls, which are plain
+memcpys (measured in benchmarks/bench_transfer.py). On a GPU the opposite
+holds: gather on the device, then one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -16,48 +23,59 @@ import torch
 from himamba.tiers.cpu_pool import HostSlotPool
 
 
+def _byte_rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
+    """``t`` (block axis 0) as uint8 ``[num_blocks, block_bytes]``, or None if a block is not contiguous."""
+    inner = t[0]
+    if not inner.is_contiguous():
+        return None
+    es = t.element_size()
+    nbytes = inner.numel() * es
+    raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+    raw.set_(
+        t.untyped_storage(), t.storage_offset() * es, (num_blocks, nbytes), (t.stride(0) * es, 1)
+    )
+    return raw
+
+
 @dataclass(frozen=True)
 class LayerBlocks:
     name: str
     tensor: torch.Tensor
     block_dim: int
     block_bytes: int
+    segments: tuple[torch.Tensor, ...]
 
     @classmethod
     def wrap(cls, name: str, tensor: torch.Tensor, num_blocks: int) -> LayerBlocks:
-        """Find the block axis and the bytes one block carries."""
+        """Find the block axis and expose each block's bytes as row views."""
         if tensor.dim() >= 1 and tensor.shape[0] == num_blocks:
-            block_dim = 0
+            block_dim, parts = 0, [tensor]
         elif tensor.dim() >= 2 and tensor.shape[1] == num_blocks and tensor.shape[0] == 2:
-            block_dim = 1
+            block_dim, parts = 1, [tensor[0], tensor[1]]
         else:
             raise ValueError(
                 f"layer {name}: cannot find the block axis of a cache of shape "
                 f"{tuple(tensor.shape)} with {num_blocks} blocks"
             )
-        nbytes = tensor.numel() // num_blocks * tensor.element_size()
-        return cls(name, tensor, block_dim, nbytes)
+        segments = []
+        for part in parts:
+            rows = _byte_rows(part, num_blocks)
+            if rows is None:
+                raise ValueError(f"layer {name}: a block's bytes are not contiguous")
+            segments.append(rows)
+        nbytes = sum(s.shape[1] for s in segments)
+        return cls(name, tensor, block_dim, nbytes, tuple(segments))
 
-    def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Blocks as ``[n, block_bytes]`` uint8 on the cache's device."""
-        x = self.tensor.index_select(self.block_dim, block_ids)
-        if self.block_dim == 1:
-            x = x.transpose(0, 1)
-        return x.contiguous().view(torch.uint8).reshape(len(block_ids), self.block_bytes)
-
-    def scatter(self, block_ids: torch.Tensor, data: torch.Tensor) -> None:
-        """Write ``[n, block_bytes]`` uint8 rows into the given blocks."""
-        shape = list(self.tensor.shape)
-        del shape[self.block_dim]
-        if self.block_dim == 1:
-            x = data.view(self.tensor.dtype).reshape(len(block_ids), *shape).transpose(0, 1)
-        else:
-            x = data.view(self.tensor.dtype).reshape(len(block_ids), *shape)
-        self.tensor.index_copy_(self.block_dim, block_ids, x)
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copies of the given blocks' bytes as ``[n, block_bytes]`` (for checks and tests)."""
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.tensor.device)
+        return torch.cat([seg.index_select(0, idx) for seg in self.segments], dim=1)
 
 
-def _ids(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.long, device=device)
+def _pairs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int]]:
+    if len(block_ids) != len(slots):
+        raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
+    return list(zip(block_ids, slots, strict=True))
 
 
 def device_to_host(
@@ -67,12 +85,22 @@ def device_to_host(
     slots: Sequence[int],
 ) -> int:
     """Copy block ``layer_block_ids[l][i]`` of layer l into slot ``slots[i]``; returns bytes."""
-    slot_idx = _ids(slots, torch.device("cpu"))
     moved = 0
     for layer, row, ids in zip(layers, pool.rows, layer_block_ids, strict=True):
-        data = layer.gather(_ids(ids, layer.tensor.device))
-        row.index_copy_(0, slot_idx, data.to("cpu"))
-        moved += data.numel()
+        pairs = _pairs(ids, slots)
+        offset = 0
+        for seg in layer.segments:
+            width = seg.shape[1]
+            dst = row[:, offset : offset + width]
+            if seg.device.type == "cpu":
+                for block, slot in pairs:
+                    dst[slot].copy_(seg[block])
+            else:
+                idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=seg.device)
+                gathered = seg.index_select(0, idx).to("cpu")
+                dst[torch.tensor([s for _, s in pairs], dtype=torch.long)] = gathered
+            offset += width
+        moved += layer.block_bytes * len(pairs)
     return moved
 
 
@@ -83,13 +111,21 @@ def host_to_device(
     slots: Sequence[int],
 ) -> int:
     """Copy slot ``slots[i]`` into block ``layer_block_ids[l][i]`` of each layer l."""
-    slot_idx = _ids(slots, torch.device("cpu"))
     moved = 0
     for layer, row, ids in zip(layers, pool.rows, layer_block_ids, strict=True):
-        device = layer.tensor.device
-        data = row.index_select(0, slot_idx)
-        if device.type != "cpu":
-            data = data.pin_memory().to(device, non_blocking=True)
-        layer.scatter(_ids(ids, device), data)
-        moved += data.numel()
+        pairs = _pairs(ids, slots)
+        offset = 0
+        for seg in layer.segments:
+            width = seg.shape[1]
+            src = row[:, offset : offset + width]
+            if seg.device.type == "cpu":
+                for block, slot in pairs:
+                    seg[block].copy_(src[slot])
+            else:
+                staged = src[torch.tensor([s for _, s in pairs], dtype=torch.long)]
+                staged = staged.pin_memory().to(seg.device, non_blocking=True)
+                idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=seg.device)
+                seg.index_copy_(0, idx, staged)
+            offset += width
+        moved += layer.block_bytes * len(pairs)
     return moved
