@@ -7,10 +7,11 @@ Each layer is reduced to one or two *byte segments*: uint8 views
 in the split layout). A host slot row is the concatenation of a layer's
 segments, so the stored bytes do not depend on the dtype view.
 
-Why per-row copies on CPU: ``index_select``/``index_copy_`` over strided uint8
-rows run ~8x slower than a loop of row ``copy_`` calls, which are plain
-memcpys (measured in benchmarks/bench_transfer.py). On a GPU the opposite
-holds: gather on the device, then one device-to-host copy.
+Why per-row numpy copies on CPU: on this torch CPU build ``Tensor.copy_``,
+``index_select`` and ``index_copy_`` of uint8 rows move 0.2-0.6 GB/s, while a
+numpy row assignment over the same memory is a memcpy (~10 GB/s; measured in
+benchmarks/bench_transfer.py). On a GPU the opposite holds: gather on the
+device, then one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from himamba.tiers.cpu_pool import HostSlotPool
@@ -44,6 +46,8 @@ class LayerBlocks:
     block_dim: int
     block_bytes: int
     segments: tuple[torch.Tensor, ...]
+    # numpy views of the same bytes when the cache lives in host memory.
+    np_segments: tuple[np.ndarray, ...] | None = None
 
     @classmethod
     def wrap(cls, name: str, tensor: torch.Tensor, num_blocks: int) -> LayerBlocks:
@@ -64,7 +68,8 @@ class LayerBlocks:
                 raise ValueError(f"layer {name}: a block's bytes are not contiguous")
             segments.append(rows)
         nbytes = sum(s.shape[1] for s in segments)
-        return cls(name, tensor, block_dim, nbytes, tuple(segments))
+        np_segments = tuple(s.numpy() for s in segments) if tensor.device.type == "cpu" else None
+        return cls(name, tensor, block_dim, nbytes, tuple(segments), np_segments)
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Copies of the given blocks' bytes as ``[n, block_bytes]`` (for checks and tests)."""
@@ -86,19 +91,20 @@ def device_to_host(
 ) -> int:
     """Copy block ``layer_block_ids[l][i]`` of layer l into slot ``slots[i]``; returns bytes."""
     moved = 0
-    for layer, row, ids in zip(layers, pool.rows, layer_block_ids, strict=True):
+    for li, (layer, ids) in enumerate(zip(layers, layer_block_ids, strict=True)):
         pairs = _pairs(ids, slots)
         offset = 0
-        for seg in layer.segments:
+        for si, seg in enumerate(layer.segments):
             width = seg.shape[1]
-            dst = row[:, offset : offset + width]
-            if seg.device.type == "cpu":
+            if layer.np_segments is not None:
+                src, dst = layer.np_segments[si], pool.np_rows[li][:, offset : offset + width]
                 for block, slot in pairs:
-                    dst[slot].copy_(seg[block])
+                    dst[slot] = src[block]
             else:
                 idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=seg.device)
                 gathered = seg.index_select(0, idx).to("cpu")
-                dst[torch.tensor([s for _, s in pairs], dtype=torch.long)] = gathered
+                rows = torch.tensor([s for _, s in pairs], dtype=torch.long)
+                pool.rows[li][:, offset : offset + width][rows] = gathered
             offset += width
         moved += layer.block_bytes * len(pairs)
     return moved
@@ -112,17 +118,18 @@ def host_to_device(
 ) -> int:
     """Copy slot ``slots[i]`` into block ``layer_block_ids[l][i]`` of each layer l."""
     moved = 0
-    for layer, row, ids in zip(layers, pool.rows, layer_block_ids, strict=True):
+    for li, (layer, ids) in enumerate(zip(layers, layer_block_ids, strict=True)):
         pairs = _pairs(ids, slots)
         offset = 0
-        for seg in layer.segments:
+        for si, seg in enumerate(layer.segments):
             width = seg.shape[1]
-            src = row[:, offset : offset + width]
-            if seg.device.type == "cpu":
+            if layer.np_segments is not None:
+                dst, src = layer.np_segments[si], pool.np_rows[li][:, offset : offset + width]
                 for block, slot in pairs:
-                    seg[block].copy_(src[slot])
+                    dst[block] = src[slot]
             else:
-                staged = src[torch.tensor([s for _, s in pairs], dtype=torch.long)]
+                rows = torch.tensor([s for _, s in pairs], dtype=torch.long)
+                staged = pool.rows[li][:, offset : offset + width][rows]
                 staged = staged.pin_memory().to(seg.device, non_blocking=True)
                 idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=seg.device)
                 seg.index_copy_(0, idx, staged)
