@@ -1,0 +1,187 @@
+"""Storage-tier throughput: `LMCacheStore` put/get vs raw Python I/O of the same bytes.
+
+N objects of S bytes (default 256 x 1 MiB, random) go through our store (header + checksum +
+staging copy + LMCache L2 adapter) on `fs_native` and `fs` over a temp directory and on `resp`
+over a private redis-server (127.0.0.1, free port, no persistence). The references, same run,
+same bytes: one file per object with open/write/close and open/readinto (page-cache warm, like
+the adapter reads), and for Redis a redis-py pipeline of SET/GET. Ratio = ours / reference.
+Reps are interleaved across variants and each write phase starts after `os.sync()`, so dirty-page
+writeback from one variant does not land on the next; best of `--reps`.
+
+    python benchmarks/bench_storage.py                  # ~1 min on a 2-core VM
+    python benchmarks/bench_storage.py --objects 64     # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from himamba.tiers.lmcache_store import LMCacheStore
+from himamba.tiers.object_format import LayoutFingerprint, Namespace, ObjectKind, StorageKey
+from himamba.tiers.storage_config import StorageConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def _timed(fn) -> float:
+    os.sync()  # start every write phase with no dirty pages left by the previous one
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+class StoreRun:
+    """One `LMCacheStore` kept open across reps (as the connector keeps it)."""
+
+    def __init__(self, where: str | dict) -> None:
+        cfg = {"adapter": where} if isinstance(where, dict) else {"url": where}
+        self.store = LMCacheStore(
+            StorageConfig.from_dict({**cfg, "op_deadline_s": 120.0, "probe_interval_s": 3600}),
+            Namespace("bench/model", LayoutFingerprint(16, "bfloat16", (1,))),
+        )
+
+    def rep(self, rep: int, objs: list[torch.Tensor], batch: int) -> tuple[float, float]:
+        s = self.store
+        keys = [
+            StorageKey(f"{rep}:{i}".encode().ljust(32, b"."), ObjectKind.KV)
+            for i in range(len(objs))
+        ]
+        dsts = [torch.zeros_like(o) for o in objs]
+
+        def run(submit, bufs) -> None:
+            tids = [
+                submit(keys[i : i + batch], bufs[i : i + batch]) for i in range(0, len(objs), batch)
+            ]
+            assert all(s.wait(x, 300).num_ok == len(bufs[:batch]) for x in tids)
+
+        tw = _timed(lambda: run(s.submit_put, objs))
+        tr = _timed(lambda: run(s.submit_get, dsts))
+        assert all(torch.equal(a, b) for a, b in zip(dsts, objs, strict=True))
+        s.wait(s.submit_delete(keys), 60)  # keep disk / Redis usage flat across reps
+        return tw, tr
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def raw_files_rep(d: Path, rep: int, objs: list[torch.Tensor]) -> tuple[float, float]:
+    paths = [d / f"raw{rep}_{i}.bin" for i in range(len(objs))]
+    dsts = [torch.zeros_like(o) for o in objs]
+
+    def write() -> None:
+        for p, o in zip(paths, objs, strict=True):
+            with open(p, "wb") as f:
+                f.write(o.numpy().data)
+
+    def read() -> None:
+        for p, o in zip(paths, dsts, strict=True):
+            with open(p, "rb", buffering=0) as f:
+                f.readinto(o.numpy().data)
+
+    tw, tr = _timed(write), _timed(read)
+    for p in paths:
+        p.unlink()
+    return tw, tr
+
+
+def raw_redis_rep(srv, rep: int, objs: list[torch.Tensor]) -> tuple[float, float]:
+    c = srv.client()
+
+    def write() -> None:
+        p = c.pipeline(transaction=False)
+        for i, o in enumerate(objs):
+            p.set(f"raw{rep}:{i}", o.numpy().tobytes())
+        p.execute()
+
+    def read() -> None:
+        p = c.pipeline(transaction=False)
+        for i in range(len(objs)):
+            p.get(f"raw{rep}:{i}")
+        for v, o in zip(p.execute(), dsts, strict=True):
+            o.numpy()[:] = memoryview(v)
+
+    dsts = [torch.zeros_like(o) for o in objs]
+    tw, tr = _timed(write), _timed(read)
+    c.flushall()
+    return tw, tr
+
+
+def _ratio(ours: dict, ref: dict) -> dict:
+    keys = ("write_GBps", "read_GBps")
+    return {k.replace("GBps", "ratio"): round(ours[k] / ref[k], 3) for k in keys}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--objects", type=int, default=256)
+    ap.add_argument("--object-kib", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=32, help="objects per submitted task")
+    ap.add_argument("--reps", type=int, default=3, help="best of (interleaved reps)")
+    ap.add_argument("--dir", default=None, help="directory for files (default: a temp dir)")
+    ap.add_argument("--no-redis", action="store_true")
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    n = args.object_kib << 10
+    objs = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for _ in range(args.objects)
+    ]
+    root = Path(tempfile.mkdtemp(prefix="bench_storage_", dir=args.dir))
+    out: dict = {"objects": args.objects, "object_bytes": n, "batch": args.batch, "reps": args.reps}
+    total = sum(o.nbytes for o in objs)
+    srv = None
+    try:
+        (root / "raw").mkdir()
+        runs: dict = {
+            "raw_file": lambda r: raw_files_rep(root / "raw", r, objs),
+            "fs_native": StoreRun(f"file://{root / 'fsn'}"),
+            "fs": StoreRun(
+                {"type": "fs", "base_path": str(root / "fs"), "relative_tmp_dir": "tmp"}
+            ),
+        }
+        if not args.no_redis and shutil.which("redis-server"):
+            from storage_fixtures import RedisServer
+
+            srv = RedisServer(root)
+            srv.start()
+            runs["raw_redis_py"] = lambda r: raw_redis_rep(srv, r, objs)
+            runs["resp"] = StoreRun(srv.url)
+        best: dict = {k: [float("inf"), float("inf")] for k in runs}
+        for rep in range(args.reps):  # interleaved, so machine noise hits every variant alike
+            for name, r in runs.items():
+                tw, tr = r.rep(rep, objs, args.batch) if isinstance(r, StoreRun) else r(rep)
+                best[name] = [min(best[name][0], tw), min(best[name][1], tr)]
+        for name, (tw, tr) in best.items():
+            out[name] = {"write_GBps": _gbps(total, tw), "read_GBps": _gbps(total, tr)}
+        for name in ("fs_native", "fs", "resp"):
+            if name in out:
+                out[name].update(_ratio(out[name], out["raw_file"]))
+        if "resp" in out:
+            out["resp"].update(
+                {f"vs_redis_py_{k}": v for k, v in _ratio(out["resp"], out["raw_redis_py"]).items()}
+            )
+        for r in runs.values():
+            if isinstance(r, StoreRun):
+                r.close()
+    finally:
+        if srv is not None:
+            srv.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    out["cpus"] = os.cpu_count()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Configuration of the storage (LMCache L2) tier.
+
+Kept free of LMCache and torch imports: the scheduler parses this before any heavy module loads,
+and a typo must fail at startup with a message that names the key, not deep inside an adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+CHECKSUMS = ("blake3", "crc32")
+
+_PREFIX = "storage"
+
+
+def _err(key: str, msg: str) -> ValueError:
+    return ValueError(f"{_PREFIX}.{key}: {msg}")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Every tunable of the storage tier, with its default and why.
+
+    `adapter` is the resolved LMCache L2 adapter spec (the JSON LMCache's own `--l2-adapter`
+    takes); `url` is kept only for messages and for the `fs_native` -> `fs` fallback.
+    """
+
+    # Resolved LMCache L2 adapter spec; `type` selects the adapter module.
+    adapter: dict[str, Any] = field(default_factory=dict)
+    # What the user wrote, if a URL: error messages and the fs fallback refer to it.
+    url: str | None = None
+    # None = unbounded; else the tree evicts storage objects by LRU above this many GiB.
+    capacity_gb: float | None = None
+    # Copy every completed CPU store to storage, so a restart or second instance finds it.
+    write_through: bool = True
+    # `timeout` is the only policy that both waits for storage and bounds the wait.
+    prefetch_policy: str = "timeout"
+    # Reference (SGLang HiCache) defaults: a fixed 2 s plus 0.1 s per 1024 tokens, capped at 30 s.
+    prefetch_timeout_base_s: float = 2.0
+    prefetch_timeout_per_ki_token_s: float = 0.1
+    prefetch_timeout_max_s: float = 30.0
+    # Adapters have no timeouts of their own (a dead Redis hangs a load forever): ours bounds each.
+    op_deadline_s: float = 5.0
+    # Consecutive failed ops before the breaker opens; small because every failure costs a deadline.
+    breaker_failures: int = 3
+    # Wait before recreating the adapter and probing again: avoids reconnect storms.
+    breaker_cooldown_s: float = 2.0
+    # Health probe period: the native Redis adapter reports misses, not errors, once its server restarts.
+    probe_interval_s: float = 5.0
+    # CPU threads for header+checksum work; checksums release the GIL, so 2 saturate a small VM.
+    num_workers: int = 2
+    # Adapter I/O threads (fs_native / resp from a url): they wait on disk or network, not CPU.
+    io_workers: int = 4
+    # blake3 is faster than zlib's crc32 on x86 and also resists forged collisions.
+    checksum: str = "blake3"
+    # Staging buffers kept for reuse: first-touch page faults cost more than the copy itself.
+    staging_pool_mb: int = 256
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StorageConfig:
+        """Parse the user's `storage` section; raise `ValueError('storage.<key>: ...')`."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{_PREFIX}: expected a mapping, got {type(d).__name__}")
+        known = set(cls.__dataclass_fields__)
+        for k in d:
+            if k not in known:
+                raise _err(str(k), "unknown key")
+        kw: dict[str, Any] = {}
+        num_workers = _int(d, "num_workers", cls.num_workers, minimum=1)
+        io_workers = _int(d, "io_workers", cls.io_workers, minimum=1)
+        url, adapter = d.get("url"), d.get("adapter")
+        if url is not None and adapter is not None:
+            raise _err("adapter", "give either 'url' or 'adapter', not both")
+        if url is None and adapter is None:
+            raise _err("url", "required (or give 'adapter')")
+        if url is not None:
+            kw["url"] = url
+            kw["adapter"] = adapter_spec_from_url(url, io_workers)
+        else:
+            kw["adapter"] = _adapter_passthrough(adapter)
+        cap = d.get("capacity_gb")
+        if cap is not None:
+            kw["capacity_gb"] = _float(d, "capacity_gb", 0.0, positive=True)
+        if "write_through" in d:
+            if not isinstance(d["write_through"], bool):
+                raise _err("write_through", f"expected true/false, got {d['write_through']!r}")
+            kw["write_through"] = d["write_through"]
+        policy = d.get("prefetch_policy", cls.prefetch_policy)
+        if policy not in PREFETCH_POLICIES:
+            raise _err(
+                "prefetch_policy", f"{policy!r} is not one of {', '.join(PREFETCH_POLICIES)}"
+            )
+        kw["prefetch_policy"] = policy
+        for name in (
+            "prefetch_timeout_base_s",
+            "prefetch_timeout_per_ki_token_s",
+            "prefetch_timeout_max_s",
+        ):
+            kw[name] = _float(d, name, getattr(cls, name))
+        for name in ("op_deadline_s", "breaker_cooldown_s", "probe_interval_s"):
+            kw[name] = _float(d, name, getattr(cls, name), positive=True)
+        if kw["prefetch_timeout_max_s"] < kw["prefetch_timeout_base_s"]:
+            raise _err("prefetch_timeout_max_s", "must be >= prefetch_timeout_base_s")
+        kw["breaker_failures"] = _int(d, "breaker_failures", cls.breaker_failures, minimum=1)
+        kw["num_workers"] = num_workers
+        kw["io_workers"] = io_workers
+        kw["staging_pool_mb"] = _int(d, "staging_pool_mb", cls.staging_pool_mb, minimum=0)
+        checksum = d.get("checksum", cls.checksum)
+        if checksum not in CHECKSUMS:
+            raise _err("checksum", f"{checksum!r} is not one of {', '.join(CHECKSUMS)}")
+        kw["checksum"] = checksum
+        return cls(**kw)
+
+
+def prefetch_deadline_s(cfg: StorageConfig, num_tokens: int) -> float:
+    """Seconds a prefetch of `num_tokens` may keep a request waiting (the reference's linear rule).
+
+    `best_effort` never waits (0.0): whatever already arrived is used. `wait_complete` waits
+    without a prefetch bound (inf); each storage op still fails at `op_deadline_s`, so it ends.
+    """
+    if cfg.prefetch_policy == "best_effort":
+        return 0.0
+    if cfg.prefetch_policy == "wait_complete":
+        return math.inf
+    linear = cfg.prefetch_timeout_base_s + cfg.prefetch_timeout_per_ki_token_s * num_tokens / 1024
+    return min(cfg.prefetch_timeout_max_s, linear)
+
+
+def adapter_spec_from_url(url: Any, num_workers: int = 4) -> dict[str, Any]:
+    """`file:///p` or `/p` -> fs_native spec; `redis://[user:pass@]host[:port][/0]` -> resp spec."""
+    if not isinstance(url, str) or not url:
+        raise _err("url", f"expected a non-empty string, got {url!r}")
+    if url.startswith("/"):
+        return _fs_spec(url, num_workers)
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise _err("url", f"file URL must be file:///absolute/path, got {url!r}")
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise _err("url", f"file URL needs an absolute path, got {url!r}")
+        return _fs_spec(path, num_workers)
+    if scheme == "redis":
+        if not parts.hostname:
+            raise _err("url", f"redis URL needs a host, got {url!r}")
+        try:
+            port = parts.port or 6379
+        except ValueError as e:
+            raise _err("url", f"bad port in {url!r}") from e
+        db = parts.path.strip("/")
+        if db not in ("", "0"):
+            # LMCache's native RESP client never sends SELECT: db N would silently be db 0.
+            raise _err("url", f"redis database {db!r} unsupported by LMCache's resp adapter; use 0")
+        spec: dict[str, Any] = {
+            "type": "resp",
+            "host": parts.hostname,
+            "port": port,
+            "num_workers": num_workers,
+        }
+        if parts.username:
+            spec["username"] = unquote(parts.username)
+        if parts.password:
+            spec["password"] = unquote(parts.password)
+        return spec
+    raise _err("url", f"unsupported scheme {parts.scheme or url!r}")
+
+
+def _fs_spec(path: str, num_workers: int) -> dict[str, Any]:
+    path = os.path.normpath(path)
+    return {
+        "type": "fs_native",
+        "base_path": path,
+        "num_workers": num_workers,
+        "relative_tmp_dir": "tmp",  # tmp -> rename: readers never see half-written files
+    }
+
+
+def _adapter_passthrough(adapter: Any) -> dict[str, Any]:
+    if isinstance(adapter, str):
+        try:
+            adapter = json.loads(adapter)
+        except json.JSONDecodeError as e:
+            raise _err("adapter", f"not valid JSON: {e.msg}") from e
+    if not isinstance(adapter, Mapping):
+        raise _err("adapter", f"expected an LMCache L2 adapter JSON object, got {adapter!r}")
+    t = adapter.get("type")
+    if not isinstance(t, str) or not t:
+        raise _err("adapter.type", "required (an LMCache L2 adapter type such as 's3')")
+    return dict(adapter)
+
+
+def _float(d: Mapping[str, Any], key: str, default: float, positive: bool = False) -> float:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        raise _err(key, f"expected a number, got {v!r}")
+    if v < 0 or (positive and v == 0):
+        raise _err(key, f"must be {'> 0' if positive else '>= 0'}, got {v!r}")
+    return float(v)
+
+
+def _int(d: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _err(key, f"expected an integer, got {v!r}")
+    if v < minimum:
+        raise _err(key, f"must be >= {minimum}, got {v}")
+    return v
