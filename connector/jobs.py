@@ -32,16 +32,28 @@ class StoreBatch:
     slots: list[int] = field(default_factory=list)
     # Per group (layout order) one device block id per slot.
     blocks: list[list[int]] = field(default_factory=list)
+    # The block hash naming each slot's content (its storage key).
+    hashes: list[bytes] = field(default_factory=list)
 
-    def add(self, slot: int, group_blocks: list[int]) -> None:
+    def add(self, slot: int, group_blocks: list[int], block_hash: bytes) -> None:
         if not self.blocks:
             self.blocks = [[] for _ in group_blocks]
         self.slots.append(slot)
+        self.hashes.append(block_hash)
         for column, block in zip(self.blocks, group_blocks, strict=True):
             column.append(block)
 
     def __len__(self) -> int:
         return len(self.slots)
+
+
+@dataclass
+class FetchItem:
+    """Read one stored object (kind: 0 KV block, 1 Mamba state) into a reserved host slot."""
+
+    kind: int
+    block_hash: bytes
+    slot: int
 
 
 @dataclass
@@ -51,6 +63,7 @@ class StepPlan:
     loads: list[LoadJob] = field(default_factory=list)
     kv_stores: StoreBatch = field(default_factory=StoreBatch)
     mamba_stores: StoreBatch = field(default_factory=StoreBatch)
+    fetches: list[FetchItem] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.kv_stores and not self.mamba_stores
+        return not (self.loads or self.kv_stores or self.mamba_stores or self.fetches)

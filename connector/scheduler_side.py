@@ -1,4 +1,4 @@
-"""Scheduler half: decides hits, loads and stores from vLLM's scheduler hooks.
+"""Scheduler half: decides hits, loads, stores and prefetches from vLLM's scheduler hooks.
 
 Rules that keep hybrid hits exact (see shared notes on the connector contract):
 - a hit ends at a block boundary P where the host has KV for every block in
@@ -7,7 +7,8 @@ Rules that keep hybrid hits exact (see shared notes on the connector contract):
   prompt load would be rewound to a point with no matching state;
 - Mamba states are stored only from vLLM's boundary hand-offs (exact block
   ids), never derived positionally;
-- every hit is locked from lookup until the worker reports the load done.
+- every hit is locked in the tree from lookup until the worker reports the load;
+- a request whose load failed is never offered a hit again (no retry loops).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from himamba.connector.config import HiMambaConfig
-from himamba.connector.host_index import HostIndex, LockHandle, MatchResult
 from himamba.connector.jobs import LoadJob, StepPlan
 from himamba.connector.layout import HybridLayout
+from himamba.connector.radix_tree import HybridRadixTree, LockHandle, MatchResult
+from himamba.connector.storage_plan import StoragePlanner
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,8 @@ class _Pending:
 
     result: MatchResult
     handle: LockHandle
-    local_tokens: int
+    num_blocks: int
+    mamba_slot: int
 
 
 @dataclass
@@ -49,16 +52,23 @@ def request_partition(request: Any) -> Hashable:
 
 class SchedulerHalf:
     def __init__(
-        self, layout: HybridLayout, config: HiMambaConfig, kv_slots: int, mamba_slots: int
+        self,
+        layout: HybridLayout,
+        config: HiMambaConfig,
+        kv_slots: int,
+        mamba_slots: int,
+        storage: StoragePlanner | None = None,
     ) -> None:
         self.layout = layout
         self.config = config
-        self.index = HostIndex(kv_slots, mamba_slots)
+        self.tree = HybridRadixTree(kv_slots, mamba_slots)
+        self.counters: dict[str, int] = defaultdict(int)
+        self.storage = storage
         self._tracked: dict[str, _Tracked] = {}
         self._pending: dict[str, _Pending] = {}
         self._inflight: dict[str, LockHandle] = {}
+        self._no_hits: set[str] = set()
         self._plan = StepPlan()
-        self.counters: dict[str, int] = defaultdict(int)
 
     # -- hashing -----------------------------------------------------------------
     def block_hashes(self, request: Any) -> list[bytes]:
@@ -70,24 +80,50 @@ class SchedulerHalf:
         return [hashes[(i + 1) * r - 1] for i in range(len(hashes) // r)]
 
     # -- lookup ------------------------------------------------------------------
-    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         self._release_pending(req_id)
-        self.counters["lookups"] += 1
         bs = self.layout.block_size
-        if num_computed_tokens % bs:
+        if num_computed_tokens % bs or req_id in self._no_hits:
             return 0, False
         hashes = self.block_hashes(request)
         max_blocks = min(len(hashes), (request.num_tokens - 1) // bs)
         start = num_computed_tokens // bs
         if max_blocks <= start:
             return 0, False
-        result = self.index.match(hashes, request_partition(request), start, max_blocks)
-        tokens = (result.num_blocks - start) * bs
-        if not result.hit or tokens < max(self.config.min_load_tokens, 1):
+        part = request_partition(request)
+        if start:
+            self.tree.mark_device(hashes, part, start, mamba=True)
+        storage = self.storage
+        if storage is not None and storage.probe(
+            req_id, hashes[:max_blocks], part, request.num_tokens
+        ):
+            return None, False
+        self.counters["lookups"] += 1
+        result = self.tree.match(hashes, part, start, max_blocks)
+        needs_fetch = bool(result.storage_blocks) or result.mamba_in_storage
+        if storage is not None and needs_fetch and result.num_blocks > result.host_num_blocks:
+            if not storage.fetching(req_id) and storage.start_fetch(
+                req_id, result, hashes, part, request.num_tokens
+            ):
+                return None, False
+            if storage.fetching(req_id):
+                return None, False
+        return self._promise(req_id, result, start, host_only=needs_fetch)
+
+    def _promise(
+        self, req_id: str, result: MatchResult, start: int, host_only: bool
+    ) -> tuple[int, bool]:
+        num_blocks = result.host_num_blocks if host_only else result.num_blocks
+        tokens = (num_blocks - start) * self.layout.block_size
+        if num_blocks <= start or tokens < max(self.config.min_load_tokens, 1):
+            self.counters["misses"] += 1
             return 0, False
-        handle = self.index.lock(result)
-        self._pending[req_id] = _Pending(result, handle, num_computed_tokens)
+        handle = self.tree.lock(result, host_only=host_only)
+        if handle is None:
+            return 0, False
+        node = result._host_node if host_only else result._node
+        self._pending[req_id] = _Pending(result, handle, num_blocks, node.mamba_slot)
         return tokens, True
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -96,45 +132,55 @@ class SchedulerHalf:
         pending = self._pending.pop(req_id, None)
         if num_external_tokens == 0:
             if pending is not None:
-                self.index.unlock(pending.handle)
+                self.tree.unlock(pending.handle)
             return
         if pending is None:
-            # A second call for an async load carries the same count; ignore it.
-            return
-        result = pending.result
+            return  # the second call for an async load carries no new work
+        result, n = pending.result, pending.num_blocks
+        start = result.start_block
         bs = self.layout.block_size
         block_ids = blocks.get_block_ids()
         doomed = None
-        if num_external_tokens != (result.num_blocks - result.start_block) * bs:
+        if num_external_tokens != (n - start) * bs:
             doomed = (
                 f"vLLM trimmed the hit to {num_external_tokens} tokens; the Mamba state "
                 "for that boundary was not planned"
             )
-        kv_blocks = [
-            list(block_ids[g.group_id][result.start_block : result.num_blocks])
-            for g in self.layout.attention
-        ]
+        kv_slots = result.kv_slots[: n - start]
+        kv_blocks = [list(block_ids[g.group_id][start:n]) for g in self.layout.attention]
         mamba_blocks = []
         for g in self.layout.mamba:
             row = block_ids[g.group_id]
-            mamba_blocks.append(row[result.num_blocks - 1] if len(row) >= result.num_blocks else 0)
+            mamba_blocks.append(row[n - 1] if len(row) >= n else 0)
         self._plan.loads.append(
-            LoadJob(req_id, result.kv_slots, kv_blocks, result.mamba_slot, mamba_blocks, doomed)
+            LoadJob(req_id, kv_slots, kv_blocks, pending.mamba_slot, mamba_blocks, doomed)
         )
         self._inflight[req_id] = pending.handle
         self.counters["loads"] += 1
         self.counters["hit_tokens"] += num_external_tokens
-        # The next stores for this request start past what we just loaded.
-        self._tracked[req_id].next_store_block = result.num_blocks
+        self._tracked[req_id].next_store_block = n
+
+    def hit_sources(self, req_id: str, num_external_tokens: int) -> tuple[int, int]:
+        """(host tokens, storage tokens) of a request's external hit."""
+        from_storage = 0
+        if self.storage is not None:
+            from_storage = self.storage.storage_blocks.get(req_id, 0) * self.layout.block_size
+        from_storage = min(from_storage, num_external_tokens)
+        return num_external_tokens - from_storage, from_storage
 
     # -- per step ------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        finished = set(scheduler_output.finished_req_ids)
-        self._plan_kv_stores(plan, scheduler_output, block_state, finished)
         if block_state is not None:
-            self._plan_mamba_stores(plan, block_state.boundary_state_offloads, block_state)
+            finished = set(scheduler_output.finished_req_ids)
+            self._plan_kv_stores(plan, scheduler_output, block_state, finished)
+            self._plan_mamba_stores(plan, block_state.boundary_state_offloads)
+        # Stores are committed now: the worker copies them this step, before any later
+        # step can load from (or overwrite) those slots, so order alone makes this safe.
+        self.tree.complete_store(plan.kv_stores.slots, plan.mamba_stores.slots, ok=True)
+        if self.storage is not None:
+            plan.fetches = self.storage.take_fetches()
         return plan
 
     def _computed_before_step(self, scheduler_output: Any) -> dict[str, int]:
@@ -146,8 +192,6 @@ class SchedulerHalf:
     def _plan_kv_stores(
         self, plan: StepPlan, so: Any, block_state: Any, finished: set[str]
     ) -> None:
-        if block_state is None:
-            return
         bs = self.layout.block_size
         computed = self._computed_before_step(so)
         for req_id, num_new in so.num_scheduled_tokens.items():
@@ -169,14 +213,14 @@ class SchedulerHalf:
                 group_blocks = [block_ids[g.group_id][i] for g in self.layout.attention]
                 if any(b == 0 for b in group_blocks):
                     continue
-                slot = self.index.reserve_kv(hashes, part, i)
+                slot = self.tree.reserve_kv(hashes, part, i)
                 if slot is not None:
-                    plan.kv_stores.add(slot, group_blocks)
+                    plan.kv_stores.add(slot, group_blocks, hashes[i])
                     self.counters["kv_blocks_stored"] += 1
             tracked.next_store_block = full
 
     def _plan_mamba_stores(
-        self, plan: StepPlan, offloads: dict[str, list[tuple[int, int, int]]], block_state: Any
+        self, plan: StepPlan, offloads: dict[str, list[tuple[int, int, int]]]
     ) -> None:
         bs = self.layout.block_size
         mamba_groups = [g.group_id for g in self.layout.mamba]
@@ -194,49 +238,76 @@ class SchedulerHalf:
                 # Partial-tail (sub-block) states are not hittable at block granularity.
                 if boundary % bs or n == 0 or n > len(hashes):
                     continue
-                if any(g not in per_group or per_group[g] == 0 for g in mamba_groups):
+                if any(per_group.get(g, 0) == 0 for g in mamba_groups):
                     self.counters["mamba_incomplete_handoffs"] += 1
                     continue
-                slot = self.index.reserve_mamba(hashes, part, n)
+                slot = self.tree.reserve_mamba(hashes, part, n)
                 if slot is not None:
-                    plan.mamba_stores.add(slot, [per_group[g] for g in mamba_groups])
+                    plan.mamba_stores.add(slot, [per_group[g] for g in mamba_groups], hashes[n - 1])
                     self.counters["mamba_states_stored"] += 1
 
     # -- completion --------------------------------------------------------------
-    def on_output(self, finished_recving: Sequence[str], failed_recving: Sequence[str]) -> None:
+    def on_output(
+        self,
+        finished_recving: Sequence[str],
+        failed_recving: Sequence[str],
+        fetch_acks: dict | None = None,
+        world_size: int = 1,
+    ) -> None:
+        if fetch_acks and self.storage is not None:
+            self.storage.on_acks(fetch_acks, world_size)
         failed = set(failed_recving or ())
         for req_id in finished_recving or ():
             handle = self._inflight.pop(req_id, None)
             if handle is None:
                 continue
-            self.index.unlock(handle)
+            self.tree.unlock(handle)
             if req_id in failed:
                 self.counters["loads_failed"] += 1
-                self.index.invalidate(handle)
+                self._no_hits.add(req_id)
 
     def on_finished(self, request: Any) -> None:
         req_id = request.request_id
         self._release_pending(req_id)
         self._tracked.pop(req_id, None)
+        self._no_hits.discard(req_id)
+        if self.storage is not None:
+            self.storage.forget(req_id)
 
     def reset(self) -> bool:
-        self.index.reset()
+        self.tree.reset()
         return True
 
     def _release_pending(self, req_id: str) -> None:
         pending = self._pending.pop(req_id, None)
         if pending is not None:
-            self.index.unlock(pending.handle)
+            self.tree.unlock(pending.handle)
 
     def leak_report(self) -> dict[str, int | bool]:
         """What is still held; all zero (and conserved) once the engine is idle."""
+        from himamba.connector.tree_invariants import check_invariants
+
+        try:
+            check_invariants(self.tree)
+            conserved = True
+        except AssertionError as exc:
+            logger.error("himamba: tree invariant broken: %s", exc)
+            conserved = False
         return {
             "pending_hits": len(self._pending),
             "inflight_loads": len(self._inflight),
             "tracked_requests": len(self._tracked),
-            "locked_entries": self.index.locked_entries(),
-            "slots_conserved": self.index.conserved(),
+            "locked_entries": len(self.tree.handles),
+            "slots_conserved": conserved,
         }
 
     def stats(self) -> dict[str, int]:
-        return {**self.counters, **self.index.stats()}
+        tree = self.tree.stats()
+        out = {**self.counters, **tree}
+        out["host_kv_capacity"] = self.tree.kv_pool.capacity
+        out["host_mamba_capacity"] = self.tree.mamba_pool.capacity
+        out["host_kv_evictions"] = tree.get("kv_evicted", 0) + tree.get("kv_cascaded", 0)
+        out["host_mamba_evictions"] = tree.get("mamba_evicted", 0) + tree.get("mamba_cascaded", 0)
+        if self.storage is not None:
+            out.update(self.storage.pending())
+        return out

@@ -22,6 +22,9 @@ from himamba.connector.jobs import StepPlan
 from himamba.connector.layout import HybridLayout, UnsupportedLayout, build_layout
 from himamba.connector.scheduler_side import SchedulerHalf
 from himamba.connector.stats import HiMambaStats
+from himamba.connector.storage_plan import StoragePlanner
+from himamba.connector.storage_setup import open_store, storage_config, storage_namespace
+from himamba.connector.worker_meta import HiMambaWorkerMeta
 from himamba.connector.worker_side import WorkerHalf
 
 if TYPE_CHECKING:
@@ -55,6 +58,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = HiMambaConfig.from_extra_config(extra)
+        self.storage_config = storage_config(self.config.storage)
+        self._world_size = vllm_config.parallel_config.world_size
         self.layout: HybridLayout | None = None
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
@@ -67,10 +72,38 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         kv_slots, mamba_slots = self.layout.slot_counts(
             self.config.cpu_cache_bytes, self.config.mamba_cache_fraction
         )
+        scfg = self.storage_config
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerHalf(self.layout, self.config, kv_slots, mamba_slots)
+            if scfg is not None:
+                store = open_store(scfg, storage_namespace(vllm_config, self.layout, 0))
+                self.scheduler.storage = StoragePlanner(
+                    scfg, store, self.scheduler.tree, self.scheduler.counters
+                )
         else:
-            self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots)
+            opener = None
+            if scfg is not None:
+                opener = self._storage_opener(vllm_config, scfg)
+            self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots, opener)
+
+    def _storage_opener(self, vllm_config: Any, scfg: Any) -> Any:
+        from himamba.tiers.storage_worker import StorageWorker
+
+        layout = self.layout
+        assert layout is not None
+
+        def opener(pools: dict) -> StorageWorker:
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                rank = get_tensor_model_parallel_rank()
+            except Exception:  # noqa: BLE001 - no TP group (single worker)
+                rank = 0
+            store = open_store(scfg, storage_namespace(vllm_config, layout, rank))
+            capacity = None if scfg.capacity_gb is None else int(scfg.capacity_gb * (1 << 30))
+            return StorageWorker(store, pools, capacity, scfg.write_through)
+
+        return opener
 
     # A dropped save is a future miss, never a correctness problem.
     @property
@@ -96,9 +129,13 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler is not None:
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            acks = meta.fetch_acks if isinstance(meta, HiMambaWorkerMeta) else None
             self.scheduler.on_output(
                 connector_output.finished_recving or (),
                 getattr(connector_output, "failed_recving", None) or (),
+                acks,
+                self._world_size,
             )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
@@ -117,9 +154,23 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
-        if not num_external_tokens or CacheHitSource is None:
+        if not num_external_tokens or CacheHitSource is None or self.scheduler is None:
             return {}
-        return {CacheHitSource.HOST: num_external_tokens}
+        host, disk = self.scheduler.hit_sources(request.request_id, num_external_tokens)
+        out = {CacheHitSource.HOST: host, CacheHitSource.DISK: disk}
+        return {k: v for k, v in out.items() if v}
+
+    def build_connector_worker_meta(self) -> HiMambaWorkerMeta | None:
+        if self.worker is None or self.worker.storage is None:
+            return None
+        acks = self.worker.storage.take_acks()
+        return HiMambaWorkerMeta(acks) if acks else None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None and self.scheduler.storage is not None:
+            self.scheduler.storage.store.close()
 
     # -- worker role ----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -157,7 +208,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> HiMambaStats | None:
         if self.worker is None:
             return None
-        current = dict(self.worker.counters)
+        current = self.worker.all_counters()
         delta = {k: v - self._reported.get(k, 0) for k, v in current.items()}
         self._reported = current
         return HiMambaStats.from_counters(delta)
@@ -171,5 +222,5 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None:
             return self.scheduler.stats()
         if self.worker is not None:
-            return dict(self.worker.counters)
+            return self.worker.all_counters()
         return {}

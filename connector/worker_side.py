@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,14 +19,26 @@ from himamba.connector.jobs import LoadJob, StepPlan, StoreBatch
 from himamba.connector.layout import GroupLayout, HybridLayout
 from himamba.mamba_state.snapshot import NULL_BLOCK, MambaSnapshotter
 from himamba.tiers.cpu_pool import HostSlotPool
+from himamba.tiers.object_format import ObjectKind
+from himamba.tiers.storage_worker import StorageWorker
 from himamba.tiers.transfer import LayerBlocks, device_to_host, host_to_device
+
+KV, MAMBA = int(ObjectKind.KV), int(ObjectKind.MAMBA)
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerHalf:
-    def __init__(self, layout: HybridLayout, kv_slots: int, mamba_slots: int) -> None:
+    def __init__(
+        self,
+        layout: HybridLayout,
+        kv_slots: int,
+        mamba_slots: int,
+        open_storage: Callable[[dict[int, HostSlotPool]], StorageWorker] | None = None,
+    ) -> None:
         self.layout = layout
+        self._open_storage = open_storage
+        self.storage: StorageWorker | None = None
         self.kv_slots = kv_slots
         self.mamba_slots = mamba_slots
         self.kv_layers: list[LayerBlocks] = []
@@ -52,6 +65,8 @@ class WorkerHalf:
         self.mamba = MambaSnapshotter(
             mamba_layers, [len(g.layer_names) for g in self.layout.mamba], mamba_pool
         )
+        if self._open_storage is not None:
+            self.storage = self._open_storage({KV: self.kv_pool, MAMBA: mamba_pool})
         logger.info(
             "himamba: host tier %d KV slots x %d B + %d Mamba slots x %d B (%.2f GiB)",
             self.kv_slots,
@@ -93,6 +108,8 @@ class WorkerHalf:
 
     # -- per step --------------------------------------------------------------
     def run_loads(self, plan: StepPlan) -> None:
+        if self.storage is not None and plan.fetches:
+            self.storage.fetch(plan.fetches)
         for job in plan.loads:
             start = time.perf_counter()
             try:
@@ -134,9 +151,16 @@ class WorkerHalf:
         if plan.mamba_stores:
             moved += self.mamba.snapshot(plan.mamba_stores.blocks, plan.mamba_stores.slots)
         self.counters["bytes_stored"] += moved
+        if self.storage is not None:
+            self.storage.write_through_slots(KV, plan.kv_stores.slots, plan.kv_stores.hashes)
+            self.storage.write_through_slots(
+                MAMBA, plan.mamba_stores.slots, plan.mamba_stores.hashes
+            )
         self.counters["store_seconds"] += time.perf_counter() - start
 
     def take_results(self) -> tuple[set[str], set[str]]:
+        if self.storage is not None:
+            self.storage.poll()
         finished, failed = self._finished, self._failed
         self._finished, self._failed = set(), set()
         return finished, failed
@@ -158,6 +182,17 @@ class WorkerHalf:
     def _check_slots(slots: list[int], capacity: int) -> None:
         if any(not 0 <= s < capacity for s in slots):
             raise ValueError(f"slot out of range in {slots} (capacity {capacity})")
+
+    def all_counters(self) -> dict[str, float]:
+        out = dict(self.counters)
+        if self.storage is not None:
+            out.update(self.storage.counters)
+        return out
+
+    def shutdown(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = None
 
 
 __all__ = ["WorkerHalf", "StoreBatch"]

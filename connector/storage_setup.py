@@ -1,0 +1,54 @@
+"""Builds the storage tier for one connector role: config, namespace, LMCache store.
+
+Both roles open the same backend: the scheduler only asks ``exists`` (to plan
+prefetches), workers put and get bytes (they own the host pool). Namespaces
+carry the TP rank, so each worker reads back only its own shard.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from himamba.connector.layout import HybridLayout
+from himamba.tiers.object_format import LayoutFingerprint, Namespace
+from himamba.tiers.storage_config import StorageConfig
+
+logger = logging.getLogger(__name__)
+
+
+def storage_config(raw: dict[str, Any] | None) -> StorageConfig | None:
+    if raw is None:
+        return None
+    try:
+        return StorageConfig.from_dict(raw)
+    except ValueError as exc:
+        # Already names the key as ``storage.<key>``; say whose config it is.
+        raise ValueError(f"himamba: {exc}") from None
+
+
+def storage_namespace(vllm_config: Any, layout: HybridLayout, tp_rank: int) -> Namespace:
+    par = vllm_config.parallel_config
+    algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")
+    fingerprint = LayoutFingerprint(
+        block_size=layout.block_size,
+        # The layout fingerprint already hashes every group's dtypes and shapes.
+        kv_dtype=f"{layout.fingerprint}:{algo}",
+        kv_shape=(layout.kv_slot_bytes,),
+        mamba_dtypes=(),
+        mamba_shapes=((layout.mamba_slot_bytes,),),
+        tp_rank=tp_rank,
+        tp_size=par.tensor_parallel_size,
+        kernel_layout=str(layout.hash_block_size),
+    )
+    return Namespace(model=str(vllm_config.model_config.model), layout=fingerprint)
+
+
+def open_store(cfg: StorageConfig, namespace: Namespace) -> Any:
+    from himamba.tiers.lmcache_store import LMCacheStore
+
+    store = LMCacheStore(cfg, namespace)
+    logger.info(
+        "himamba: storage tier %s (namespace %s)", cfg.url or cfg.adapter, namespace.model_tag()
+    )
+    return store

@@ -1,0 +1,161 @@
+"""Invariant checker for ``HybridRadixTree``: the oracle of the property tests.
+
+Every check recomputes from scratch what the tree maintains incrementally (counters, LRU
+membership, lock counts, pool usage), so an incremental-update bug shows up as a named
+mismatch right after the step that caused it, not as a crash hours later (the reference's
+lesson: #12007, #27147, #36696, #27489). O(tree size): call it in tests, not in serving.
+"""
+
+from __future__ import annotations
+
+from .radix_tree import HybridRadixTree
+from .tree_node import GPU, HOST, LOADABLE, NO_SLOT, PENDING, STORAGE, Node
+
+_BITS = GPU | HOST | PENDING | STORAGE
+
+
+def _check(cond: bool, invariant: str, detail: object) -> None:
+    if not cond:
+        raise AssertionError(f"invariant violated [{invariant}]: {detail}")
+
+
+def check_invariants(tree: HybridRadixTree) -> None:
+    """Raise ``AssertionError`` naming the first violated invariant."""
+    nodes: list[Node] = []
+    # --- children map, lengths, partitions (sglang note §2 items 4, 5)
+    for key, root in tree.roots.items():
+        _check(root.parent is None and not root.hashes, "root", root)
+        _check(root.partition == key, "partition", (key, root.partition))
+        _check(bool(root.children), "no-empty-root", key)
+        _check(root.kv_lock == 0 and root.mamba_lock == 0 and not root.mamba, "root", root)
+        stack: list[tuple[Node, Node, bool]] = [(c, root, True) for c in root.children.values()]
+        while stack:
+            x, p, prefix_live = stack.pop()
+            nodes.append(x)
+            _check(x.parent is p, "children-map", "child.parent is not its parent")
+            _check(bool(x.hashes), "no-empty-node", x)
+            _check(p.children.get(x.hashes[0]) is x, "children-map", "stale child key")
+            _check(x.start == p.start + len(p.hashes), "lengths", "start != parent end")
+            _check(x.partition == p.partition, "partition", x)
+            _check(len(x.flags) == len(x.hashes), "lengths", "flags")
+            _check(x.slots is None or len(x.slots) == len(x.hashes), "lengths", "slots")
+            _check_node(x, prefix_live)
+            child_live = prefix_live and x.n_live == len(x.hashes)
+            stack.extend((c, x, child_live) for c in x.children.values())
+    for x in tree.doomed:
+        _check(x.parent is not None and x.held, "reset", f"doomed node not held/attached {x}")
+    _check(len(nodes) == tree.num_nodes, "size-accounting", (len(nodes), tree.num_nodes))
+    _check_pools_and_pending(tree, nodes)
+    _check_lru(tree, nodes)
+    _check_locks(tree, nodes)
+
+
+def _check_node(x: Node, prefix_live: bool) -> None:
+    """Tier presence, counters, state-at-node-end and invariant P for one node."""
+    live = load = host = pend = gpu = 0
+    for i, f in enumerate(x.flags):
+        _check(f & ~_BITS == 0, "tier-presence", f"unknown bits {f}")
+        _check(not (f & HOST and f & PENDING), "tier-presence", "block both committed and pending")
+        has_slot = x.slots is not None and x.slots[i] != NO_SLOT
+        _check(has_slot == bool(f & (HOST | PENDING)), "tier-presence", f"slot vs flags at {i}")
+        live += f != 0
+        load += bool(f & LOADABLE)
+        host += bool(f & HOST)
+        pend += bool(f & PENDING)
+        gpu += bool(f & GPU)
+    got = (x.n_live, x.n_load, x.n_host, x.n_pend, x.n_gpu)
+    _check(got == (live, load, host, pend, gpu), "size-accounting", ("counters", got))
+    m = x.mamba
+    _check(m & ~_BITS == 0, "mamba-state", f"unknown bits {m}")
+    _check(not (m & HOST and m & PENDING), "mamba-state", "state both committed and pending")
+    _check((x.mamba_slot != NO_SLOT) == bool(m & (HOST | PENDING)), "mamba-state", "slot vs bits")
+    _check(not (x.tombstone and m & (HOST | PENDING)), "mamba-state", "tombstone holds a state")
+    has_content = bool(x.n_live or m)
+    if not x.children:
+        _check(has_content or x.held, "pruning", f"empty unheld leaf {x}")
+    if not x.held and has_content:
+        # P: every block with a tier and the state at the end have a live prefix.
+        _check(prefix_live, "prefix-closure", f"content under a dead prefix {x}")
+        hole = x.flags.find(0)
+        if hole >= 0:
+            _check(not any(x.flags[hole:]), "prefix-closure", f"content after hole {hole} {x}")
+            _check(not m, "prefix-closure", "state at the end of a node with a hole")
+
+
+def _check_pools_and_pending(tree: HybridRadixTree, nodes: list[Node]) -> None:
+    """Pool conservation (free + used = size) for host KV and host Mamba; pending maps."""
+    kv_used: set[int] = set()
+    mamba_used: set[int] = set()
+    pend_blocks = pend_states = 0
+    for x in nodes:
+        for i, f in enumerate(x.flags):
+            if f & (HOST | PENDING):
+                s = x.slots[i]  # type: ignore[index]
+                _check(s not in kv_used, "pool-conservation", f"KV slot {s} used twice")
+                _check(not tree.kv_pool.is_free(s), "pool-conservation", f"KV slot {s} is free")
+                kv_used.add(s)
+            if f & PENDING:
+                pend_blocks += 1
+                _check(tree.pending_kv.get(x.slots[i]) == (x, i), "pending", "KV entry")  # type: ignore[index]
+        if x.mamba & (HOST | PENDING):
+            s = x.mamba_slot
+            _check(s not in mamba_used, "pool-conservation", f"Mamba slot {s} used twice")
+            _check(not tree.mamba_pool.is_free(s), "pool-conservation", f"Mamba slot {s} free")
+            mamba_used.add(s)
+        if x.mamba & PENDING:
+            pend_states += 1
+            _check(tree.pending_mamba.get(x.mamba_slot) is x, "pending", "Mamba entry")
+    _check(pend_blocks == len(tree.pending_kv), "pending", "stale KV pending entries")
+    _check(pend_states == len(tree.pending_mamba), "pending", "stale Mamba pending entries")
+    for pool, used, name in ((tree.kv_pool, kv_used, "KV"), (tree.mamba_pool, mamba_used, "Mamba")):
+        free = pool.free_slots()
+        _check(len(set(free)) == len(free), "pool-conservation", f"{name} free list duplicates")
+        _check(
+            len(free) + len(used) == pool.capacity,
+            "pool-conservation",
+            f"{name}: free {len(free)} + used {len(used)} != size {pool.capacity}",
+        )
+
+
+def _check_lru(tree: HybridRadixTree, nodes: list[Node]) -> None:
+    """Membership, recency order, and 'descendants before ancestors' (head is a host leaf)."""
+    want_kv = {id(x) for x in nodes if x.kv_evictable}
+    have_kv = [id(x) for x in tree.kv_lru]
+    _check(set(have_kv) == want_kv, "lru-membership", "host KV LRU != evictable host nodes")
+    pos = {nid: i for i, nid in enumerate(have_kv)}
+    last = -1
+    for x in tree.kv_lru:
+        _check(x.kv_access > last, "lru-order", "host KV LRU not sorted by access time")
+        last = x.kv_access
+        a = x.parent
+        while a is not None:
+            if id(a) in pos:
+                _check(pos[id(a)] > pos[id(x)], "leaf-set", "ancestor evictable before descendant")
+            a = a.parent
+    want_m = {id(x) for x in nodes if x.mamba_evictable}
+    _check({id(x) for x in tree.mamba_lru} == want_m, "lru-membership", "host Mamba LRU")
+    last = -1
+    for x in tree.mamba_lru:
+        _check(x.mamba_access > last, "lru-order", "host Mamba LRU not sorted by access time")
+        last = x.mamba_access
+
+
+def _check_locks(tree: HybridRadixTree, nodes: list[Node]) -> None:
+    """Lock counts equal what the live handles say they locked; path locks are monotone."""
+    kv: dict[int, int] = {}
+    mamba: dict[int, int] = {}
+    for h in tree.handles:
+        _check(not h.released, "locks", "released handle still registered")
+        x = h.kv_node
+        _check(x is not None and x.parent is not None, "locks", "handle on a detached node")
+        while x is not None and x.parent is not None:
+            kv[id(x)] = kv.get(id(x), 0) + 1
+            x = x.parent
+        if h.mamba_node is not None:
+            mamba[id(h.mamba_node)] = mamba.get(id(h.mamba_node), 0) + 1
+    for x in nodes:
+        _check(x.kv_lock == kv.get(id(x), 0), "locks", f"kv_lock {x.kv_lock} != handles")
+        _check(x.mamba_lock == mamba.get(id(x), 0), "locks", f"mamba_lock {x.mamba_lock}")
+        _check(not x.mamba_lock or x.mamba & HOST, "locks", "mamba lock without a host state")
+        if x.parent is not None and x.parent.parent is not None:
+            _check(x.kv_lock <= x.parent.kv_lock, "locks", "locked node under unlocked parent")
