@@ -167,7 +167,83 @@ def load_failure(args: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (baseline, cpu_tier, batch_pressure, load_failure)}
+def _worker_flush(timeout_s: float = 10.0) -> dict[str, Any]:
+    """Let write-through land and return the worker's counters (storage included)."""
+    _, worker = (None, None)
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    worker = get_kv_transfer_group()
+    if worker.worker is not None and worker.worker.storage is not None:
+        worker.worker.storage.flush(timeout_s)
+    return worker.stats()
+
+
+def storage_writer(args: dict[str, Any]) -> dict[str, Any]:
+    """Compute prompts with write-through to storage, then exit (as a server would)."""
+    llm = make_llm(args, args["extra"])
+    outs = [generate(llm, [p])[0] for p in args["prompts"]]
+    worker = _worker_flush()
+    close_llm(llm)
+    return {"outs": outs, "worker": worker}
+
+
+def storage_reader(args: dict[str, Any]) -> dict[str, Any]:
+    """A fresh process sharing only the storage: serve the prompts again."""
+    llm = make_llm(args, args["extra"])
+    outs = [generate(llm, [p])[0] for p in args["prompts"]]
+    sched, _ = connectors(llm)
+    result = {
+        "outs": outs,
+        "stats": sched.stats(),
+        "worker": _worker_flush(),
+        "leaks": leak_report(llm),
+    }
+    close_llm(llm)
+    return result
+
+
+def storage_outage(args: dict[str, Any]) -> dict[str, Any]:
+    """Redis is killed mid-run and restarted (empty); requests must stay correct throughout."""
+    from storage_fixtures import RedisServer
+
+    redis = RedisServer(__import__("pathlib").Path(args["workdir"]))
+    redis.start()
+    extra = {**args["extra"], "storage": {**args["extra"]["storage"], "url": redis.url}}
+    llm = make_llm(args, extra)
+    a, b, c = args["prompts"]
+    out: dict[str, Any] = {"before": generate(llm, [a])[0]}
+    _worker_flush()
+    redis.kill()
+    # The CPU tier is dropped too, so storage is the only place A could come from.
+    llm.reset_prefix_cache(reset_connector=True)
+    out["down"] = [generate(llm, [p])[0] for p in (a, b)]
+    redis.start()
+    time.sleep(args.get("recover_s", 6.0))  # breaker cool-down + health probe
+    out["after_restart_cold"] = generate(llm, [c])[0]
+    _worker_flush()
+    llm.reset_prefix_cache(reset_connector=True)
+    out["after_restart_hit"] = generate(llm, [c])[0]
+    sched, _ = connectors(llm)
+    out["stats"] = sched.stats()
+    out["worker"] = _worker_flush()
+    out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    redis.kill()
+    return out
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        baseline,
+        cpu_tier,
+        batch_pressure,
+        load_failure,
+        storage_writer,
+        storage_reader,
+        storage_outage,
+    )
+}
 
 if __name__ == "__main__":
     name, raw = sys.argv[1], sys.argv[2]

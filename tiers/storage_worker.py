@@ -9,6 +9,7 @@ fetch is acknowledged to the scheduler, which alone decides what becomes hittabl
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -122,5 +123,15 @@ class StorageWorker:
         acks, self.acks = self.acks, {}
         return acks
 
-    def close(self) -> None:
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (bounded) for submitted puts and gets, e.g. before a graceful shutdown."""
+        deadline = time.monotonic() + timeout_s
+        while (self._puts or self._gets) and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.005)
+        return not (self._puts or self._gets)
+
+    def close(self, flush_timeout_s: float = 5.0) -> None:
+        # Let write-through land first: a graceful restart should find what it computed.
+        self.flush(flush_timeout_s)
         self.store.close()

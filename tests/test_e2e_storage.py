@@ -1,0 +1,114 @@
+"""Storage tier end to end: prefixes outlive the process, survive outages, reject bad bytes.
+
+Each engine runs in its own process; they share only the storage (a directory or a real
+Redis server on 127.0.0.1). Tokens are compared with an engine that has no connector.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine import run_scenario
+from scenarios import prompt
+
+pytest_plugins = ("storage_fixtures",)  # redis_server, storage_dir
+pytestmark = pytest.mark.e2e
+
+BLOCK = 128
+A_LEN, B_LEN = 1000, 700
+HIT_A = (A_LEN - 1) // BLOCK * BLOCK  # 896
+HIT_B = (B_LEN - 1) // BLOCK * BLOCK  # 640
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return [prompt(31, A_LEN), prompt(32, B_LEN), prompt(33, A_LEN)]
+
+
+@pytest.fixture(scope="module")
+def reference(granite_model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    ref = run_scenario("baseline", {"model": str(granite_model), "prompts": prompts})
+    return [o["tokens"] for o in ref["single"]]
+
+
+def extra(url: str, **storage: Any) -> dict[str, Any]:
+    return {"cpu_cache_gb": 0.05, "storage": {"url": url, **storage}}
+
+
+def test_restarted_engine_hits_prefixes_another_process_wrote_to_disk(
+    granite_model, prompts, reference, tmp_path
+):
+    args = {
+        "model": str(granite_model),
+        "prompts": prompts[:2],
+        "extra": extra(f"file://{tmp_path}"),
+    }
+    wrote = run_scenario("storage_writer", args)
+    assert [o["tokens"] for o in wrote["outs"]] == reference[:2]
+    assert wrote["worker"]["storage_puts_ok"] > 0
+    read = run_scenario("storage_reader", args)
+    assert [o["cached"] for o in read["outs"]] == [HIT_A, HIT_B]
+    assert [o["tokens"] for o in read["outs"]] == reference[:2]
+    assert read["stats"]["storage_fetches"] == 2
+    assert read["worker"]["storage_gets_ok"] >= HIT_A // BLOCK + 1
+    assert read["leaks"]["locked_entries"] == 0 and read["leaks"]["slots_conserved"]
+
+
+def test_two_engines_sharing_redis_reuse_each_others_prefixes(
+    granite_model, prompts, reference, redis_server
+):
+    args = {"model": str(granite_model), "prompts": [prompts[0]], "extra": extra(redis_server.url)}
+    run_scenario("storage_writer", args)
+    read = run_scenario("storage_reader", {**args, "prompts": [prompts[0]]})
+    assert read["outs"][0]["cached"] == HIT_A
+    assert read["outs"][0]["tokens"] == reference[0]
+    assert read["worker"]["storage_gets_ok"] >= HIT_A // BLOCK + 1
+
+
+def test_redis_outage_keeps_every_request_correct_and_hits_return_after_restart(
+    granite_model, prompts, reference, tmp_path
+):
+    args = {
+        "model": str(granite_model),
+        "prompts": prompts,
+        "workdir": str(tmp_path),
+        "extra": extra("redis://127.0.0.1:1", breaker_cooldown_s=1.0, probe_interval_s=1.0),
+    }
+    out = run_scenario("storage_outage", args)
+    assert out["before"]["tokens"] == reference[0]
+    # Redis down and the CPU tier reset: everything is recomputed, correctly.
+    assert [o["tokens"] for o in out["down"]] == reference[:2]
+    assert [o["cached"] for o in out["down"]] == [0, 0]
+    assert out["after_restart_cold"]["tokens"] == reference[2]
+    # After the restart the prefix written since is served from Redis again.
+    assert out["after_restart_hit"]["cached"] == HIT_A
+    assert out["after_restart_hit"]["tokens"] == reference[2]
+    assert out["leaks"]["locked_entries"] == 0
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_corrupted_or_truncated_objects_are_misses_not_garbage(
+    granite_model, prompts, reference, tmp_path, damage
+):
+    args = {
+        "model": str(granite_model),
+        "prompts": [prompts[0]],
+        "extra": extra(f"file://{tmp_path}"),
+    }
+    run_scenario("storage_writer", args)
+    files = sorted(p for p in tmp_path.rglob("*.data") if p.is_file())
+    assert files, "write-through left no objects"
+    for path in files:
+        data = bytearray(path.read_bytes())
+        if damage == "corrupt":
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        else:
+            path.write_bytes(bytes(data[: len(data) // 2]))
+    read = run_scenario("storage_reader", args)
+    assert read["outs"][0]["tokens"] == reference[0]
+    assert read["outs"][0]["cached"] == 0
+    assert read["worker"]["storage_gets_failed"] > 0
+    assert read["leaks"]["locked_entries"] == 0 and read["leaks"]["slots_conserved"]
