@@ -177,8 +177,8 @@ class LMCacheStore:
         self._driver.join(timeout=10)
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._adapter is not None and self._breaker.allow():
-            fut = self._deleter.submit(self._adapter.delete, [self._okey(self._probe_key)])
-            try:
+            try:  # best effort; at interpreter exit the executor refuses new work
+                fut = self._deleter.submit(self._adapter.delete, [self._okey(self._probe_key)])
                 fut.result(timeout=2)
             except Exception:
                 pass
