@@ -83,6 +83,53 @@ def _pairs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, in
     return list(zip(block_ids, slots, strict=True))
 
 
+def _copy_segment(
+    seg: torch.Tensor,
+    np_seg: np.ndarray | None,
+    host: torch.Tensor,
+    np_host: np.ndarray,
+    pairs: list[tuple[int, int]],
+    to_host: bool,
+) -> None:
+    """Move rows between one cache segment and its column range of a pool row."""
+    if np_seg is not None:  # host-resident cache: numpy row copies (memcpy)
+        if to_host:
+            for block, slot in pairs:
+                np_host[slot] = np_seg[block]
+        else:
+            for block, slot in pairs:
+                np_seg[block] = np_host[slot]
+        return
+    idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=seg.device)
+    rows = torch.tensor([s for _, s in pairs], dtype=torch.long)
+    if to_host:
+        host[rows] = seg.index_select(0, idx).to("cpu")
+    else:
+        seg.index_copy_(0, idx, host[rows].pin_memory().to(seg.device, non_blocking=True))
+
+
+def _transfer(
+    layers: Sequence[LayerBlocks],
+    layer_block_ids: Sequence[Sequence[int]],
+    pool: HostSlotPool,
+    slots: Sequence[int],
+    to_host: bool,
+) -> int:
+    moved = 0
+    for li, (layer, ids) in enumerate(zip(layers, layer_block_ids, strict=True)):
+        pairs = _pairs(ids, slots)
+        offset = 0
+        for si, seg in enumerate(layer.segments):
+            cols = slice(offset, offset + seg.shape[1])
+            np_seg = None if layer.np_segments is None else layer.np_segments[si]
+            _copy_segment(
+                seg, np_seg, pool.rows[li][:, cols], pool.np_rows[li][:, cols], pairs, to_host
+            )
+            offset += seg.shape[1]
+        moved += layer.block_bytes * len(pairs)
+    return moved
+
+
 def device_to_host(
     layers: Sequence[LayerBlocks],
     layer_block_ids: Sequence[Sequence[int]],
@@ -90,24 +137,7 @@ def device_to_host(
     slots: Sequence[int],
 ) -> int:
     """Copy block ``layer_block_ids[l][i]`` of layer l into slot ``slots[i]``; returns bytes."""
-    moved = 0
-    for li, (layer, ids) in enumerate(zip(layers, layer_block_ids, strict=True)):
-        pairs = _pairs(ids, slots)
-        offset = 0
-        for si, seg in enumerate(layer.segments):
-            width = seg.shape[1]
-            if layer.np_segments is not None:
-                src, dst = layer.np_segments[si], pool.np_rows[li][:, offset : offset + width]
-                for block, slot in pairs:
-                    dst[slot] = src[block]
-            else:
-                idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=seg.device)
-                gathered = seg.index_select(0, idx).to("cpu")
-                rows = torch.tensor([s for _, s in pairs], dtype=torch.long)
-                pool.rows[li][:, offset : offset + width][rows] = gathered
-            offset += width
-        moved += layer.block_bytes * len(pairs)
-    return moved
+    return _transfer(layers, layer_block_ids, pool, slots, to_host=True)
 
 
 def host_to_device(
@@ -117,22 +147,4 @@ def host_to_device(
     slots: Sequence[int],
 ) -> int:
     """Copy slot ``slots[i]`` into block ``layer_block_ids[l][i]`` of each layer l."""
-    moved = 0
-    for li, (layer, ids) in enumerate(zip(layers, layer_block_ids, strict=True)):
-        pairs = _pairs(ids, slots)
-        offset = 0
-        for si, seg in enumerate(layer.segments):
-            width = seg.shape[1]
-            if layer.np_segments is not None:
-                dst, src = layer.np_segments[si], pool.np_rows[li][:, offset : offset + width]
-                for block, slot in pairs:
-                    dst[block] = src[slot]
-            else:
-                rows = torch.tensor([s for _, s in pairs], dtype=torch.long)
-                staged = pool.rows[li][:, offset : offset + width][rows]
-                staged = staged.pin_memory().to(seg.device, non_blocking=True)
-                idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=seg.device)
-                seg.index_copy_(0, idx, staged)
-            offset += width
-        moved += layer.block_bytes * len(pairs)
-    return moved
+    return _transfer(layers, layer_block_ids, pool, slots, to_host=False)
