@@ -89,6 +89,8 @@ class HybridRadixTree:
         self.handles: set[LockHandle] = set()
         # Held nodes that a reset() condemned: never matched, dropped when released.
         self.doomed: set[Node] = set()
+        # Split halves that may have stopped being held: settled before the call returns.
+        self._dirty: list[Node] = []
         self.num_nodes = 0
         self._clock = 0
         self.counters: dict[str, int] = dict.fromkeys(
@@ -237,6 +239,7 @@ class HybridRadixTree:
         node.set_slot(i, slot)
         self.pending_kv[slot] = (node, i)
         self.kv_lru.pop(node, None)
+        self._flush()
         return slot
 
     def reserve_mamba(
@@ -262,6 +265,7 @@ class HybridRadixTree:
         node.mamba_slot = slot
         node.tombstone = False
         self.pending_mamba[slot] = node
+        self._flush()
         return slot
 
     def complete_store(
@@ -461,6 +465,9 @@ class HybridRadixTree:
     def _split(self, node: Node, k: int) -> Node:
         head = node.split(k)
         self.num_nodes += 1
+        if node in self.doomed:  # both halves hold pre-reset content
+            self.doomed.add(head)
+        self._dirty += (head, node)
         for part in (head, node):
             if part.n_pend:
                 for i, f in enumerate(part.flags):
@@ -471,6 +478,7 @@ class HybridRadixTree:
             node.parent = None
             self.num_nodes -= 1
             self.kv_lru.pop(node, None)
+            self.doomed.discard(node)
             self._touch_kv_path(head)
         else:
             self._touch_kv_path(node)  # both halves re-enter the LRU in leaf-first order
@@ -504,6 +512,7 @@ class HybridRadixTree:
         if mamba:
             node.mamba |= bit
             node.tombstone = False
+        self._flush()
 
     def _clear(
         self,
@@ -545,6 +554,8 @@ class HybridRadixTree:
             x, i = stack.pop()
             seen.append(x)
             if not x.held:
+                if not i and self.doomed:
+                    self.doomed.discard(x)  # all of it goes now: the reset is carried out
                 for j in range(i, len(x.hashes)):
                     f = x.flags[j]
                     if f & HOST:
@@ -607,6 +618,12 @@ class HybridRadixTree:
                 self._sync_mamba(x, touch=x is node)
                 self._touch_kv_path(x)
                 break
+
+    def _flush(self) -> None:
+        while self._dirty:
+            x = self._dirty.pop()
+            if x.parent is not None:
+                self._settle(x)
 
     def _touch_kv_path(self, node: Node) -> None:
         x = node
