@@ -62,6 +62,8 @@ class SchedulerHalf:
         self.layout = layout
         self.config = config
         self.tree = HybridRadixTree(kv_slots, mamba_slots)
+        # Tree nodes allowed before GPU-only marks of finished requests are dropped.
+        self._node_budget = 4 * (kv_slots + mamba_slots) + 1024
         self.counters: dict[str, int] = defaultdict(int)
         self.storage = storage
         self._tracked: dict[str, _Tracked] = {}
@@ -158,7 +160,6 @@ class SchedulerHalf:
         self._inflight[req_id] = pending.handle
         self.counters["loads"] += 1
         self.counters["hit_tokens"] += num_external_tokens
-        self._tracked[req_id].next_store_block = n
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> tuple[int, int]:
         """(host tokens, storage tokens) of a request's external hit."""
@@ -269,7 +270,13 @@ class SchedulerHalf:
     def on_finished(self, request: Any) -> None:
         req_id = request.request_id
         self._release_pending(req_id)
-        self._tracked.pop(req_id, None)
+        if self._tracked.pop(req_id, None) is not None and self.tree.num_nodes > self._node_budget:
+            # GPU marks are never cleared by vLLM (no eviction events reach a connector), so
+            # nodes kept alive only by them would grow without bound. Past a budget, the
+            # marks of finished requests go; chains fully on host (or storage) are untouched.
+            hashes = self.block_hashes(request)
+            if hashes:
+                self.tree.evict_device(hashes, request_partition(request), 0, None)
         self._no_hits.discard(req_id)
         if self.storage is not None:
             self.storage.forget(req_id)
