@@ -146,20 +146,18 @@ def reply(obj: dict[str, Any]) -> None:
     print("RESULT " + json.dumps(obj), flush=True)
 
 
-class Engine:
-    """Parent-side handle of a child engine process."""
+class ChildEngine:
+    """Parent-side handle of a benchmark's child engine process (JSON lines over pipes)."""
 
-    def __init__(self, args: dict[str, Any]) -> None:
-        self.mode = args["mode"]
+    def __init__(self, label: str, script: str, args: dict[str, Any], log: Path) -> None:
+        self.label = label
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
         }
-        self.log = open(  # noqa: SIM115 - closed in close()
-            BENCH_MODELS / f"engine-{self.mode}.log", "w"
-        )
+        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", json.dumps(args)],
+            [sys.executable, script, "--child", json.dumps(args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -174,7 +172,7 @@ class Engine:
                 return json.loads(line[len("RESULT ") :])
         self.proc.wait()
         raise RuntimeError(
-            f"engine {self.mode} died (rc={self.proc.returncode}); see {self.log.name}"
+            f"engine {self.label} died (rc={self.proc.returncode}); see {self.log.name}"
         )
 
     def send(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +186,17 @@ class Engine:
         self.proc.wait(timeout=120)
         self.log.close()
         return res
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Engine(ChildEngine):
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.mode = args["mode"]
+        super().__init__(self.mode, __file__, args, BENCH_MODELS / f"engine-{self.mode}.log")
 
 
 # -- parent --------------------------------------------------------------------------------

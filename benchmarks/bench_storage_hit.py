@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +48,7 @@ TESTS = REPO / "tests"
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(HERE))
 
-from bench_cpu_tier import BENCH_MODELS, MAX_MODEL_LEN, build_model  # noqa: E402
+from bench_cpu_tier import BENCH_MODELS, MAX_MODEL_LEN, ChildEngine, build_model  # noqa: E402
 
 CELLS = ("recompute", "cpu_hit", "storage_hit", "storage_hit_evicted")
 
@@ -178,53 +177,11 @@ def reply(obj: dict[str, Any]) -> None:
     print("RESULT " + json.dumps(obj), flush=True)
 
 
-class Engine:
-    """Parent-side handle of a child engine process."""
-
+class Engine(ChildEngine):
     def __init__(self, name: str, args: dict[str, Any]) -> None:
         self.name = name
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-        }
-        self.log = open(  # noqa: SIM115 - closed in close()
-            BENCH_MODELS / f"engine-storage-{name}.log", "w"
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", json.dumps(args)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=env,
-        )
-
-    def wait(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT ") :])
-        self.proc.wait()
-        raise RuntimeError(
-            f"engine {self.name} died (rc={self.proc.returncode}); see {self.log.name}"
-        )
-
-    def send(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.wait()
-
-    def close(self) -> dict[str, Any]:
-        res = self.send({"cmd": "close"})
-        self.proc.wait(timeout=120)
-        self.log.close()
-        return res
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        log = BENCH_MODELS / f"engine-storage-{name}.log"
+        super().__init__(name, __file__, args, log)
 
 
 # -- parent --------------------------------------------------------------------------------
