@@ -124,8 +124,7 @@ class SchedulerHalf:
         handle = self.tree.lock(result, host_only=host_only)
         if handle is None:
             return 0, False
-        node = result._host_node if host_only else result._node
-        self._pending[req_id] = _Pending(result, handle, num_blocks, node.mamba_slot)
+        self._pending[req_id] = _Pending(result, handle, num_blocks, result.state_slot(host_only))
         return tokens, True
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

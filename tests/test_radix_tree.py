@@ -80,6 +80,18 @@ def test_storage_only_blocks_and_state_form_the_prefetch_plan() -> None:
     check_invariants(tree)
 
 
+def test_state_slot_names_the_host_state_of_the_full_or_host_only_hit() -> None:
+    tree = HybridRadixTree(16, 4)
+    h = chain("abcd")
+    store(tree, h[:2], states=(2,))
+    tree.mark_storage(h, None, 4, mamba=True)
+    res = tree.match(h)
+    assert res.state_slot() == NO_SLOT  # the full hit's state is storage-only
+    assert res.state_slot(host_only=True) == tree.match(h[:2]).mamba_slot != NO_SLOT
+    with pytest.raises(ValueError):
+        tree.match(chain("zz")).state_slot()
+
+
 def test_locked_hit_survives_eviction_pressure_and_is_freed_after_unlock() -> None:
     tree = HybridRadixTree(4, 1)
     h = chain("abcd")
