@@ -181,6 +181,7 @@ class SchedulerHalf:
         self.tree.complete_store(plan.kv_stores.slots, plan.mamba_stores.slots, ok=True)
         if self.storage is not None:
             plan.fetches = self.storage.take_fetches()
+            self.storage.yield_to_io()
         return plan
 
     def _computed_before_step(self, scheduler_output: Any) -> dict[str, int]:
