@@ -81,6 +81,10 @@ class SchedulerHalf:
             return list(hashes)
         return [hashes[(i + 1) * r - 1] for i in range(len(hashes) // r)]
 
+    def num_hashed_blocks(self, request: Any) -> int:
+        """How many full scheduler blocks have a hash (no copy of the hash list)."""
+        return len(request.block_hashes) // self.layout.hashes_per_block
+
     # -- lookup ------------------------------------------------------------------
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
@@ -200,8 +204,9 @@ class SchedulerHalf:
             if tracked is None or req_id in finished or req_id not in computed:
                 continue
             request = tracked.request
-            hashes = self.block_hashes(request)
-            full = min(len(hashes), (computed[req_id] + num_new) // bs)
+            # Decide from counts first: most steps of most requests (decode) store nothing,
+            # and this runs for every scheduled request every step.
+            full = min(self.num_hashed_blocks(request), (computed[req_id] + num_new) // bs)
             if not self.config.store_decode_blocks:
                 full = min(full, request.num_prompt_tokens // bs)
             if full <= tracked.next_store_block:
@@ -209,6 +214,7 @@ class SchedulerHalf:
             block_ids = block_state.get_block_ids(req_id)
             if block_ids is None:
                 continue
+            hashes = self.block_hashes(request)
             part = request_partition(request)
             for i in range(tracked.next_store_block, full):
                 group_blocks = [block_ids[g.group_id][i] for g in self.layout.attention]

@@ -91,17 +91,12 @@ class WorkerHalf:
                         f"himamba: layer {name} has a list of caches; expected one page tensor"
                     )
                 layer = LayerBlocks.wrap(name, cache, num_blocks)
-                # Attention views carry exactly the page; Mamba views may be the
-                # padded page, of which only the first real bytes matter.
-                if layer.block_bytes < group.layer_block_bytes:
-                    raise RuntimeError(
-                        f"himamba: layer {name} has {layer.block_bytes} B per block, "
-                        f"its spec says {group.layer_block_bytes} B"
-                    )
+                # The slot layout was sized from the spec's real (unpadded) bytes in the
+                # scheduler process; a view of any other size would misplace every byte.
                 if layer.block_bytes != group.layer_block_bytes:
                     raise RuntimeError(
-                        f"himamba: layer {name} page is {layer.block_bytes} B but only "
-                        f"{group.layer_block_bytes} B are state; padded views are unsupported"
+                        f"himamba: layer {name} has {layer.block_bytes} B per block, its spec "
+                        f"says {group.layer_block_bytes} B (padded views are unsupported)"
                     )
                 layers.append(layer)
         return layers
