@@ -67,8 +67,7 @@ class StoragePlanner:
         if probe is None:
             keys = [StorageKey(h, ObjectKind.KV) for h in hashes]
             keys += [StorageKey(h, ObjectKind.MAMBA) for h in hashes]
-            wait = prefetch_deadline_s(self.cfg, num_tokens)
-            deadline = time.monotonic() + (wait if math.isfinite(wait) else 3600.0)
+            wait, deadline = self._deadline(num_tokens)
             tid = self.store.submit_exists(keys)
             self._probes[req_id] = _Probe(tid, deadline, hashes, partition)
             self.counters["storage_probes"] += 1
@@ -83,6 +82,12 @@ class StoragePlanner:
         self._apply_exists(probe, result)
         self._settle_probe(req_id)
         return False
+
+    def _deadline(self, num_tokens: int) -> tuple[float, float]:
+        """(policy wait in s, monotonic deadline); wait_complete's infinite wait is capped
+        at an hour so a lost completion can never park a request forever."""
+        wait = prefetch_deadline_s(self.cfg, num_tokens)
+        return wait, time.monotonic() + (wait if math.isfinite(wait) else 3600.0)
 
     def _settle_probe(self, req_id: str) -> None:
         self._probes.pop(req_id, None)
@@ -129,8 +134,7 @@ class StoragePlanner:
             )
             self.counters["storage_fetch_no_space"] += 1
             return False
-        wait = prefetch_deadline_s(self.cfg, tokens)
-        deadline = time.monotonic() + (wait if math.isfinite(wait) else 3600.0)
+        _, deadline = self._deadline(tokens)
         self._fetches[req_id] = _Fetch(deadline, {(k, s) for k, s, _ in planned}, num_blocks=num_kv)
         for kind, slot, index in planned:
             self._owner[(kind, slot)] = (req_id, hashes, partition, index)
