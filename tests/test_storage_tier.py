@@ -175,6 +175,30 @@ def test_object_copied_onto_another_key_is_rejected_as_foreign(storage_dir: Path
     s.close()
 
 
+@pytest.mark.parametrize("writer, reader", [("crc32", "blake3"), ("blake3", "crc32")])
+def test_object_checksummed_with_another_algorithm_is_a_miss_counted_and_deleted(
+    storage_dir: Path, writer: str, reader: str
+):
+    """The header's algorithm is as untrusted as the payload: a reader checks with its own
+    configured one only, so nobody can downgrade it to a forgeable crc32 by writing crc32."""
+    url = f"file://{storage_dir}"
+    w = make_store(url, checksum=writer)
+    k, d = StorageKey(h(11), KV), payload(11, 8192)
+    assert run(w, w.submit_put([k], [d])).ok == (True,)
+    w.close()
+    r = make_store(url, checksum=reader)
+    dst = torch.zeros_like(d)
+    assert run(r, r.submit_get([k], [dst])).ok == (False,) and not dst.any()
+    assert r.stats.invalid == {"algo": 1} and r.stats.deleted_bad == 1
+    m = r.metrics()
+    assert (m["invalid_algo"], m["invalid_checksum"], m["deleted_bad"]) == (1, 0, 1)
+    assert all(isinstance(v, (int, float)) for v in m.values())
+    assert eventually(lambda: not exists_in_backend(storage_dir, r, k))
+    assert run(r, r.submit_put([k], [d])).ok == (True,)  # its own objects read back fine
+    assert run(r, r.submit_get([k], [dst])).ok == (True,) and torch.equal(dst, d)
+    r.close()
+
+
 # ----------------------------------------------------------------------------- bad bytes
 def test_corrupted_object_is_a_miss_counted_and_deleted(backend):
     where, obj = backend
@@ -270,7 +294,11 @@ def test_header_rejects_each_mismatched_field():
         encode_object(memoryview(buf), memoryview(pl), kind=KV, layout_digest=n.digest(),
                       key_dig=key_digest(n, k), algo=algo)  # fmt: skip
         good = dict(
-            kind=KV, payload_nbytes=1000, layout_digest=n.digest(), key_dig=key_digest(n, k)
+            kind=KV,
+            payload_nbytes=1000,
+            layout_digest=n.digest(),
+            key_dig=key_digest(n, k),
+            algo=algo,
         )
         assert bytes(buf[:4]) == MAGIC and validate_object(memoryview(buf), **good) is None
         assert validate_object(memoryview(buf), **{**good, "kind": MAMBA}) == "kind"
@@ -279,6 +307,8 @@ def test_header_rejects_each_mismatched_field():
             == "layout"
         )
         assert validate_object(memoryview(buf[:-1]), **good) == "size"
+        other = next(a for a in ChecksumAlgo if a != algo)
+        assert validate_object(memoryview(buf), **{**good, "algo": other}) == "algo"
         for off, why in [(0, "magic"), (4, "version"), (8, "size"), (HEADER_SIZE + 5, "checksum")]:
             bad = bytearray(buf)
             bad[off] ^= 1
@@ -319,6 +349,12 @@ def test_breaker_opens_after_n_failures_and_recovers_via_probe():
         ({"url": "/x", "capacity_gb": -1}, "storage.capacity_gb:"),
         ({"url": "/x", "prefetch_timeout_max_s": 1.0}, "storage.prefetch_timeout_max_s:"),
         ({"url": "/x", "num_wokers": 4}, "storage.num_wokers: unknown key"),
+        ({"url": "/x", "write_buffer_mb": 0}, "storage.write_buffer_mb: must be >= 1"),
+        ({"url": "/x", "adapter_put_depth": 0}, "storage.adapter_put_depth: must be >= 1"),
+        (
+            {"url": "/x", "breaker_cooldown_s": 5, "breaker_max_cooldown_s": 1},
+            "storage.breaker_max_cooldown_s: must be >= breaker_cooldown_s",
+        ),
     ],
 )
 def test_config_errors_name_the_offending_key(cfg, message):

@@ -3,7 +3,15 @@
 Why: LMCache's native Redis adapter fails fast while Redis is down but never reconnects once it
 is back (and still reports itself healthy), and an adapter created while the server is down
 hangs its tasks forever. So "storage is broken" must be decided by us, from outcomes, and the
-cure is a fresh adapter, not a retry. Pure state, injectable clock: testable without I/O.
+cure is a fresh adapter, not a retry. Storage that is alive but too slow for the requests that
+wait on it is broken too, from the scheduler's side: its timed-out waits count as failures.
+
+Re-opening backs off: storage that keeps failing right after each recovery (a flapping link, a
+server that answers a tiny probe but not real traffic) would otherwise cost every request a
+full wait once per cool-down. Each re-open without a healthy period in between doubles the
+cool-down, up to `max_cooldown_s`; a healthy period is `max_cooldown_s` spent closed.
+Pure state, injectable clock: testable without I/O. Not thread-safe (the store's driver
+thread owns it; other threads only read `state`).
 """
 
 from __future__ import annotations
@@ -20,23 +28,35 @@ class BreakerState(str, Enum):
 
 
 class CircuitBreaker:
-    """CLOSED -(N consecutive failures | failed probe)-> OPEN -(cool-down)-> PROBING -> CLOSED|OPEN."""
+    """CLOSED -(N consecutive failures | trip)-> OPEN -(cool-down)-> PROBING -> CLOSED | OPEN."""
 
     def __init__(
-        self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        failures: int,
+        cooldown_s: float,
+        max_cooldown_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._threshold = max(1, failures)
-        self._cooldown = cooldown_s
+        self._base = cooldown_s
+        self._max = max(cooldown_s, cooldown_s if max_cooldown_s is None else max_cooldown_s)
         self._clock = clock
         self._state = BreakerState.CLOSED
         self._consecutive = 0
         self._opened_at = 0.0
-        self.opens = 0  # how many times the breaker tripped (a metric)
+        self._closed_at: float | None = None  # last recovery; None: never opened
+        self._cooldown = cooldown_s
+        self.opens = 0  # how many times the breaker tripped from CLOSED (a metric)
         self.last_reason = ""
 
     @property
     def state(self) -> BreakerState:
         return self._state
+
+    @property
+    def cooldown_s(self) -> float:
+        """The wait before the next probe (grows with each re-open, see module doc)."""
+        return self._cooldown
 
     def allow(self) -> bool:
         """Whether a new op may reach the adapter."""
@@ -58,8 +78,15 @@ class CircuitBreaker:
 
     def trip(self, reason: str) -> None:
         """Open now (a failed health probe needs no second opinion)."""
-        if self._state is not BreakerState.OPEN:
-            self.opens += int(self._state is BreakerState.CLOSED)
+        if self._state is BreakerState.CLOSED:
+            self.opens += 1
+            healthy = self._closed_at is not None and self._clock() - self._closed_at >= self._max
+            if self._closed_at is None or healthy:
+                self._cooldown = self._base
+            else:
+                self._back_off()
+        elif self._state is BreakerState.PROBING:
+            self._back_off()
         self._state = BreakerState.OPEN
         self._opened_at = self._clock()
         self._consecutive = 0
@@ -78,7 +105,9 @@ class CircuitBreaker:
         if ok:
             self._state = BreakerState.CLOSED
             self._consecutive = 0
+            self._closed_at = self._clock()
         else:
-            self._state = BreakerState.OPEN
-            self._opened_at = self._clock()
-            self.last_reason = reason
+            self.trip(reason)
+
+    def _back_off(self) -> None:
+        self._cooldown = min(self._max, self._cooldown * 2)

@@ -23,6 +23,8 @@ _HEADER = struct.Struct("<4sHBBQ16s16s16s")
 HEADER_SIZE = _HEADER.size  # 64
 _CHECKED_PREFIX = HEADER_SIZE - 16  # the checksum covers every header field before it
 _DIGEST = 16
+# Every reason `validate_object` can return (metrics export each, even at 0).
+INVALID_REASONS = ("size", "magic", "version", "kind", "layout", "key", "algo", "checksum")
 
 
 class ObjectKind(IntEnum):
@@ -159,6 +161,23 @@ def resolve_algo(name: str) -> ChecksumAlgo:
     return ChecksumAlgo.CRC32
 
 
+def seal_object(
+    out: memoryview, *, kind: ObjectKind, layout_digest: bytes, key_dig: bytes, algo: ChecksumAlgo
+) -> None:
+    """Write the header of an object whose payload already sits at `out[HEADER_SIZE:]`.
+
+    The store copies a caller's payload into its staging buffer at submission and seals it
+    later on a CPU worker: one copy, and the checksum stays off the caller's thread."""
+    if out.nbytes < HEADER_SIZE:
+        raise ValueError(f"out is {out.nbytes} bytes, shorter than the {HEADER_SIZE}-byte header")
+    n = out.nbytes - HEADER_SIZE
+    prefix = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, int(kind), int(algo), n, layout_digest, key_dig, bytes(16)
+    )[:_CHECKED_PREFIX]
+    out[:_CHECKED_PREFIX] = prefix
+    out[_CHECKED_PREFIX:HEADER_SIZE] = _checksum(algo, prefix, out[HEADER_SIZE:])
+
+
 def encode_object(
     out: memoryview,
     payload: memoryview,
@@ -173,11 +192,7 @@ def encode_object(
     if out.nbytes != HEADER_SIZE + n:
         raise ValueError(f"out is {out.nbytes} bytes, need {HEADER_SIZE + n}")
     out[HEADER_SIZE:] = payload
-    prefix = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, int(kind), int(algo), n, layout_digest, key_dig, bytes(16)
-    )[:_CHECKED_PREFIX]
-    out[:_CHECKED_PREFIX] = prefix
-    out[_CHECKED_PREFIX:HEADER_SIZE] = _checksum(algo, prefix, out[HEADER_SIZE:])
+    seal_object(out, kind=kind, layout_digest=layout_digest, key_dig=key_dig, algo=algo)
 
 
 def validate_object(
@@ -187,11 +202,16 @@ def validate_object(
     payload_nbytes: int,
     layout_digest: bytes,
     key_dig: bytes,
+    algo: ChecksumAlgo,
 ) -> str | None:
-    """None if `obj` is a valid object for this key, else the reason (a counter label)."""
+    """None if `obj` is a valid object for this key, else the reason (a counter label).
+
+    `algo` is the reader's configured algorithm, never the header's: the header is as
+    untrusted as the payload, and trusting its choice would let anyone downgrade to crc32
+    (forgeable) or name an algorithm this process cannot check. Another algorithm: 'algo'."""
     if obj.nbytes != HEADER_SIZE + payload_nbytes:
         return "size"
-    magic, version, k, algo, n, layout, kd, csum = _HEADER.unpack(obj[:HEADER_SIZE])
+    magic, version, k, a, n, layout, kd, csum = _HEADER.unpack(obj[:HEADER_SIZE])
     if magic != MAGIC:
         return "magic"
     if version != FORMAT_VERSION:
@@ -204,10 +224,8 @@ def validate_object(
         return "layout"
     if kd != key_dig:
         return "key"
-    try:
-        a = ChecksumAlgo(algo)
-        if _checksum(a, bytes(obj[:_CHECKED_PREFIX]), obj[HEADER_SIZE:]) != csum:
-            return "checksum"
-    except (ValueError, ImportError):
+    if a != int(algo):
         return "algo"
+    if _checksum(algo, bytes(obj[:_CHECKED_PREFIX]), obj[HEADER_SIZE:]) != csum:
+        return "checksum"
     return None

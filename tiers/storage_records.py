@@ -1,33 +1,68 @@
-"""Plain records and buffer helpers of the storage tier (no LMCache, no threads of their own).
+"""Plain records of the storage tier: op names, task states, results, counters.
 
-Split from `lmcache_store` so the store file holds only the task life cycle; these are the
-shapes that cross its thread boundaries (caller, driver, CPU workers).
+These are the shapes that cross the store's thread boundaries (caller, driver, CPU workers)
+and the only storage-tier types its callers see (`TaskResult`, `StoreStats`). No LMCache, no
+threads, no I/O here.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 import numpy as np
-import torch
 
-from .object_format import StorageKey
+from .object_format import INVALID_REASONS, StorageKey
+
+
+class OpKind(str, Enum):
+    """What a task asks of storage. A `str` enum so logs and old comparisons read the same."""
+
+    PUT = "put"
+    GET = "get"
+    EXISTS = "exists"
+    DELETE = "delete"
+
+
+class TaskError(str, Enum):
+    """Why a task failed as a whole (its per-key `ok` are then all False)."""
+
+    BREAKER_OPEN = "breaker_open"  # storage judged broken: an immediate miss, nothing sent
+    BACKPRESSURE = "backpressure"  # put refused: the write buffer is full (`write_buffer_mb`)
+    DEADLINE = "deadline"  # the adapter did not answer within `op_deadline_s`
+    ADAPTER = "adapter"  # the adapter raised on submit
+    ADAPTER_RECREATED = "adapter_recreated"  # its adapter was replaced before it answered
+    CLOSED = "closed"  # the store closed first
+
+
+class TaskState(Enum):
+    QUEUED = "queued"  # accepted; not yet handed to the adapter (no deadline runs)
+    RUNNING = "running"  # at least one of its batches is with the adapter
+    DONE = "done"  # result reported
+    EXPIRED = "expired"  # reported as DEADLINE; late adapter answers are ignored
+
+
+class BatchKind(Enum):
+    """The adapter call family of one batch (each has its own completion channel)."""
+
+    STORE = "store"
+    LOAD = "load"
+    LOOKUP = "lookup"
+    DELETE = "delete"
 
 
 @dataclass(frozen=True)
 class TaskResult:
     """Outcome of one submitted task. `ok[i]` is per key (put: stored, get: valid bytes copied
-    into dst, exists: present, delete: gone). `error` says why a task failed as a whole:
-    'breaker_open', 'deadline', 'adapter', 'adapter_recreated' or 'closed'."""
+    into dst, exists: present, delete: gone); `error` is set when the task failed as a whole."""
 
     task_id: int
-    op: str
+    op: OpKind
     ok: tuple[bool, ...]
-    error: str | None = None
+    error: TaskError | None = None
 
     @property
     def num_ok(self) -> int:
@@ -36,10 +71,11 @@ class TaskResult:
 
 @dataclass
 class StoreStats:
-    """Counters (monotonic) for metrics and tests."""
+    """Monotonic counters, written by the store's driver thread (`puts_skipped` by the caller)."""
 
     put_objects: int = 0
     put_failed: int = 0
+    puts_skipped: int = 0  # objects refused by backpressure (write buffer full): never queued
     bytes_written: int = 0
     get_hits: int = 0
     get_misses: int = 0
@@ -50,76 +86,55 @@ class StoreStats:
     unreadable: int = 0  # present but not loadable at the exact size (truncated / resized)
     deleted_bad: int = 0  # invalid + unreadable objects deleted
     deadline_expired: int = 0
+    slow_reports: int = 0  # `report_slow` calls (a request's wait on storage timed out)
     breaker_opens: int = 0
     adapter_recreations: int = 0
     probes_ok: int = 0
     probes_failed: int = 0
 
+    def count_invalid(self, reason: str) -> None:
+        self.invalid[reason] = self.invalid.get(reason, 0) + 1
+
+    def as_metrics(self) -> dict[str, int]:
+        """Flat name -> number, ready for a metrics exporter. Every known invalid reason is
+        present (as `invalid_<reason>`, 0 if never seen) so exported series never appear late."""
+        out: dict[str, int] = {}
+        for f in fields(self):
+            if f.name != "invalid":
+                out[f.name] = int(getattr(self, f.name))
+        for reason in (*INVALID_REASONS, *sorted(set(self.invalid) - set(INVALID_REASONS))):
+            out[f"invalid_{reason}"] = self.invalid.get(reason, 0)
+        return out
+
 
 @dataclass(eq=False)
 class Task:
-    """One submitted op. `lock` is held while a worker reads/writes the caller's buffers, so a
-    deadline can never hand a buffer back to the caller in the middle of a copy."""
+    """One submitted op. `lock` is held while a CPU worker writes a get's destination buffers,
+    so a deadline can never hand a buffer back to the caller in the middle of a copy."""
 
     id: int
-    op: str
+    op: OpKind
     keys: list[StorageKey]
-    bufs: list[np.ndarray] | None
-    deadline: float
+    dsts: list[np.ndarray] | None  # get only: the caller's buffers, released at finish
     ok: list[bool]
-    on_done: Callable[[Task, str | None], None] | None = None
+    on_done: Callable[[Task, TaskError | None], None] | None = None  # internal tasks
     lock: threading.RLock = field(default_factory=threading.RLock)
-    state: str = "new"  # new | running | done | expired
+    state: TaskState = TaskState.QUEUED
     open_batches: int = 0
 
 
 @dataclass(eq=False)
 class Batch:
-    """One adapter call (one object size) of a task."""
+    """One adapter call of a task (one object size: the RESP client needs equal sizes).
+
+    `staging` belongs to the store and stays referenced until the adapter is done with it,
+    even after the task was reported (native adapters keep raw pointers). The op deadline
+    runs from `handed_at`, the moment the adapter got the call."""
 
     task: Task
-    idx: list[int]
-    okeys: list[Any]
-    staging: list[np.ndarray]  # referenced until the adapter is done with them
-
-
-class StagingPool:
-    """Reuses exact-size buffers: fresh ones page-fault on first touch (slower than the copy)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self._free: dict[int, list[np.ndarray]] = defaultdict(list)
-        self._bytes, self._max, self._lock = 0, max_bytes, threading.Lock()
-
-    def get(self, n: int) -> np.ndarray:
-        with self._lock:
-            if self._free.get(n):
-                self._bytes -= n
-                return self._free[n].pop()
-        return np.empty(n, dtype=np.uint8)
-
-    def put(self, bufs: Sequence[np.ndarray]) -> None:
-        with self._lock:
-            for b in bufs:
-                if self._bytes + b.nbytes <= self._max:
-                    self._free[b.nbytes].append(b)
-                    self._bytes += b.nbytes
-
-
-def as_bytes(x: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Zero-copy flat uint8 view of a contiguous CPU tensor/array (any dtype)."""
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu" or not x.is_contiguous():
-            raise ValueError("storage buffers must be contiguous CPU tensors")
-        return x.detach().view(torch.uint8).reshape(-1).numpy()
-    a = np.asarray(x)
-    if not a.flags.c_contiguous:
-        raise ValueError("storage buffers must be contiguous")
-    return a.reshape(-1).view(np.uint8)
-
-
-def by_size(bufs: Sequence[np.ndarray]) -> list[list[int]]:
-    """Indices grouped by size: LMCache's RESP client needs one object size per batch."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for i, b in enumerate(bufs):
-        groups[b.nbytes].append(i)
-    return list(groups.values())
+    kind: BatchKind
+    idx: list[int]  # positions in task.keys
+    okeys: list[Any]  # LMCache ObjectKeys
+    staging: list[np.ndarray] = field(default_factory=list)
+    handed_at: float | None = None
+    reserved: int = 0  # write-buffer bytes this batch holds (STORE only)

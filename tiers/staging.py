@@ -1,0 +1,119 @@
+"""The store's own byte buffers: the staging pool, the write-buffer budget, buffer views.
+
+Adapters only ever see staging buffers the store owns, never a caller's memory: a native
+adapter keeps raw pointers until it answers, which may be long after a deadline handed the
+caller its buffer back. Puts are copied in once, at submission, so the caller may reuse its
+memory at once; the budget bounds how many put bytes can be held that way.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class StagingPool:
+    """Reuses exact-size buffers: fresh ones page-fault on first touch (slower than the copy)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._free: dict[int, list[np.ndarray]] = defaultdict(list)
+        self._bytes, self._max, self._lock = 0, max_bytes, threading.Lock()
+
+    def get(self, n: int) -> np.ndarray:
+        with self._lock:
+            if self._free.get(n):
+                self._bytes -= n
+                return self._free[n].pop()
+        return np.empty(n, dtype=np.uint8)
+
+    def put(self, bufs: Sequence[np.ndarray]) -> None:
+        with self._lock:
+            for b in bufs:
+                if self._bytes + b.nbytes <= self._max:
+                    self._free[b.nbytes].append(b)
+                    self._bytes += b.nbytes
+
+
+class WriteBudget:
+    """Bytes of put staging alive at once (queued, with the adapter, or quarantined).
+
+    Write-through is best effort: when storage is slower than the engine produces blocks, or
+    stalls, refusing a put costs one future storage hit, while queueing it costs memory
+    without bound. Thread-safe: callers reserve, the driver thread releases."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self._used = 0
+        self._peak = 0
+        self._lock = threading.Lock()
+
+    def try_reserve(self, n: int, force: bool = False) -> bool:
+        """Take `n` bytes if they fit (`force`: tiny internal probes that must not be refused)."""
+        with self._lock:
+            if not force and self._used + n > self.limit:
+                return False
+            self._used += n
+            self._peak = max(self._peak, self._used)
+            return True
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+            assert self._used >= 0, "write budget released more than reserved"
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    @property
+    def peak(self) -> int:
+        return self._peak
+
+
+def as_bytes(x: Any, writable: bool = False) -> np.ndarray:
+    """Zero-copy flat uint8 view of a contiguous CPU tensor/array (any dtype) or bytes-like."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError("storage buffers must be contiguous CPU tensors")
+        return x.detach().view(torch.uint8).reshape(-1).numpy()
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        a = np.frombuffer(x, dtype=np.uint8)
+    else:
+        a = np.asarray(x)
+        if not a.flags.c_contiguous:
+            raise ValueError("storage buffers must be contiguous")
+        a = a.reshape(-1).view(np.uint8)
+    if writable and not a.flags.writeable:
+        raise ValueError("storage destination buffers must be writable")
+    return a
+
+
+def as_segments(payload: Any) -> list[np.ndarray]:
+    """A put payload is one buffer or a list/tuple of buffers stored back to back (e.g. the
+    per-layer rows of one host slot, which then need no gathering copy of their own)."""
+    if isinstance(payload, (list, tuple)):
+        return [as_bytes(s) for s in payload]
+    return [as_bytes(payload)]
+
+
+def copy_segments(out: np.ndarray, segments: Sequence[np.ndarray]) -> None:
+    """Concatenate `segments` into `out` (exactly their total size)."""
+    off = 0
+    for s in segments:
+        out[off : off + s.nbytes] = s
+        off += s.nbytes
+    if off != out.nbytes:
+        raise ValueError(f"segments hold {off} bytes, buffer is {out.nbytes}")
+
+
+def by_size(sizes: Sequence[int]) -> list[list[int]]:
+    """Indices grouped by size: LMCache's RESP client needs one object size per batch."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, n in enumerate(sizes):
+        groups[n].append(i)
+    return list(groups.values())
