@@ -20,7 +20,7 @@ import os
 import random
 import time
 
-from himamba.connector.radix_tree import HybridRadixTree
+from himamba.connector.tree import HybridRadixTree
 
 SYS_BLOCKS, TURN_BLOCKS, MAX_TURNS = 16, 4, 8
 
@@ -64,8 +64,10 @@ def make_trace(n_blocks: int, rng: random.Random) -> tuple[list[list[bytes]], li
     return convs, [n_sys * SYS_BLOCKS]
 
 
-def build_tree(convs: list[list[bytes]], capacity: int) -> tuple[HybridRadixTree, list[float]]:
-    tree = HybridRadixTree(capacity, capacity // TURN_BLOCKS + 1024)
+def build_tree(
+    convs: list[list[bytes]], capacity: int, max_nodes: int | None = None
+) -> tuple[HybridRadixTree, list[float]]:
+    tree = HybridRadixTree(capacity, capacity // TURN_BLOCKS + 1024, max_nodes=max_nodes)
     times: list[float] = []
     clock = time.perf_counter
     for hs in convs:
@@ -102,6 +104,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=100_000)
     ap.add_argument("--queries", type=int, default=20_000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-nodes", type=int, default=None, help="node budget (default: none)")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -111,7 +114,7 @@ def main() -> None:
     gc.collect()
     rss0 = rss_mb()
     t0 = time.perf_counter()
-    tree, ins = build_tree(convs, capacity)
+    tree, ins = build_tree(convs, capacity, args.max_nodes)
     build_s = time.perf_counter() - t0
     gc.collect()
     rss1 = rss_mb()

@@ -6,21 +6,23 @@ import hashlib
 
 import pytest
 
-from himamba.connector.radix_tree import HybridRadixTree
-from himamba.connector.tree_invariants import check_invariants
-from himamba.connector.tree_node import GPU, NO_SLOT
+from himamba.connector.tree import GPU, NO_SLOT, HybridRadixTree, check_invariants
 
 
-def chain(tokens: str, salt: str = "") -> list[bytes]:
+def chain(tokens: str | int, salt: str = "") -> list[bytes]:
+    """vLLM-style chained block hashes, one per token; an int makes that many blocks.
+    (Shared by the other ``test_tree_*`` files.)"""
+    items = [str(i) for i in range(tokens)] if isinstance(tokens, int) else list(tokens)
     out, prev = [], salt.encode()
-    for t in tokens:
+    for t in items:
         prev = hashlib.sha256(prev + t.encode()).digest()
         out.append(prev)
     return out
 
 
 def store(tree: HybridRadixTree, hashes: list[bytes], part=None, states=(), ok=True) -> None:
-    """Write-through of a request: every block plus Mamba states at ``states`` boundaries."""
+    """Write-through of a request: every block plus Mamba states at ``states`` boundaries,
+    then the invariants (shared by the other ``test_tree_*`` files)."""
     kv = [tree.reserve_kv(hashes, part, i) for i in range(len(hashes))]
     mb = [tree.reserve_mamba(hashes, part, n) for n in states]
     tree.complete_store([s for s in kv if s is not None], [s for s in mb if s is not None], ok)
@@ -73,7 +75,7 @@ def test_storage_only_blocks_and_state_form_the_prefetch_plan() -> None:
     tree = HybridRadixTree(16, 4)
     h = chain("abcd")
     store(tree, h[:2], states=(2,))
-    tree.mark_storage(h, None, 4, mamba=True)
+    tree.mark_storage(h, None, 4, state_ends=[4])
     res = tree.match(h)
     assert res.num_blocks == 4 and res.storage_blocks == [2, 3] and res.mamba_in_storage
     assert res.kv_slots[2:] == [NO_SLOT, NO_SLOT] and res.host_num_blocks == 2
@@ -84,7 +86,7 @@ def test_state_slot_names_the_host_state_of_the_full_or_host_only_hit() -> None:
     tree = HybridRadixTree(16, 4)
     h = chain("abcd")
     store(tree, h[:2], states=(2,))
-    tree.mark_storage(h, None, 4, mamba=True)
+    tree.mark_storage(h, None, 4, state_ends=[4])
     res = tree.match(h)
     assert res.state_slot() == NO_SLOT  # the full hit's state is storage-only
     assert res.state_slot(host_only=True) == tree.match(h[:2]).mamba_slot != NO_SLOT
@@ -181,7 +183,7 @@ def test_store_of_a_block_whose_prefix_is_gpu_only_marks_the_prefix_gpu() -> Non
     h = chain("abc")
     slot = tree.reserve_kv(h, None, 2)
     tree.complete_store([slot])
-    node = tree._locate(h, None, 3)[0]
+    node = tree.forest.locate(h, None, 3)[0]
     assert list(node.flags[:2]) == [GPU, GPU]
     tree.evict_device(h, None, 0, 1)  # block 0 lost everywhere: block 2's host copy is dead
     assert tree.stats()["host_kv_used"] == 0 and tree.stats()["nodes"] == 0
@@ -192,7 +194,7 @@ def test_lock_handle_releases_what_it_locked_even_if_a_state_arrives_later() -> 
     tree = HybridRadixTree(8, 2)
     h = chain("abc")
     store(tree, h)
-    tree.mark_storage(h, None, 3, mamba=True)  # state only in storage: nothing to lock on host
+    tree.mark_storage(h, None, 3, state_ends=[3])  # state only in storage: nothing to lock on host
     handle = tree.lock(tree.match(h))
     assert handle is not None and handle.mamba_node is None
     slot = tree.reserve_mamba(h, None, 3, from_device=False)  # prefetch lands meanwhile

@@ -1,6 +1,9 @@
-"""Stateful property test: random insert / match / lock / unlock / evict / complete sequences
-on tiny pools, every invariant checked after every step, plus two oracles the checker cannot
-see alone: a match is exactly the deepest hybrid boundary, and locked data never moves."""
+"""Stateful property test: random insert / match / lock / pin / unlock / evict / mark / complete
+sequences on tiny pools, with and without a node budget, every invariant checked after every
+step, plus oracles the checker cannot see alone: a match is exactly the deepest hybrid
+boundary (and lists every boundary below it), locked and pinned data never moves, host
+eviction frees exactly the blocks asked for, and a storage mark with states reaches every
+block and state it names."""
 
 from __future__ import annotations
 
@@ -8,16 +11,31 @@ import hashlib
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
-from himamba.connector.radix_tree import HybridRadixTree, LockHandle
-from himamba.connector.tree_invariants import check_invariants
-from himamba.connector.tree_node import HOST, LOADABLE, NO_SLOT
+from himamba.connector.tree import (
+    HOST,
+    LOADABLE,
+    NO_SLOT,
+    STORAGE,
+    HybridRadixTree,
+    LockHandle,
+    check_invariants,
+)
+from himamba.connector.tree.eviction import kv_evictable
+from himamba.connector.tree.node import Node
 
 KV_SLOTS, MAMBA_SLOTS, MAX_LEN = 12, 5, 6
 STEPS = {"n": 0}
 
-# A request = (partition, tokens); tokens is a short path over a 3-letter alphabet so
+# A request = (partition, tokens); tokens is a short path over a 2-letter alphabet so
 # prefixes are shared and branch often.
 requests = st.tuples(
     st.sampled_from([None, "salt-a"]),
@@ -35,23 +53,30 @@ def chain(tokens: list[int], salted: bool) -> list[bytes]:
     return out
 
 
-def _block(tree: HybridRadixTree, hashes: list[bytes], part: object, i: int) -> int:
-    found = tree._locate(hashes, part, i + 1)
-    if found is None:
-        return 0
-    x = found[0]
+def _doomed(tree: HybridRadixTree, x: Node | None) -> bool:
+    """Held across a reset(): never served, nor anything below it."""
     while x is not None:
-        if x in tree.doomed:  # held across a reset(): never served, nor anything below
-            return 0
+        if x in tree.forest.doomed:
+            return True
         x = x.parent
+    return False
+
+
+def _block(tree: HybridRadixTree, hashes: list[bytes], part: object, i: int) -> int:
+    found = tree.forest.locate(hashes, part, i + 1)
+    if found is None or _doomed(tree, found[0]):
+        return 0
     return found[0].flags[found[1]]
 
 
 def _state(tree: HybridRadixTree, hashes: list[bytes], part: object, n: int) -> int:
-    found = tree._locate(hashes, part, n)
-    if found is None or found[0].end != n:
+    found = tree.forest.locate(hashes, part, n)
+    if found is None or found[0].end != n or _doomed(tree, found[0]):
         return 0
     return found[0].mamba
+
+
+Locked = tuple[LockHandle, list[bytes], object, int, int, list[int], int]
 
 
 class TreeMachine(RuleBasedStateMachine):
@@ -63,7 +88,12 @@ class TreeMachine(RuleBasedStateMachine):
         self.kv_pending: list[int] = []
         self.mamba_pending: list[int] = []
         # handle -> (hashes, partition, start, n, slots, mamba slot) as seen at lock time
-        self.locked: list[tuple[LockHandle, list[bytes], object, int, int, list[int], int]] = []
+        self.locked: list[Locked] = []
+
+    @initialize(budget=st.sampled_from([None, 4, 10]))
+    def make_tree(self, budget) -> None:
+        """Half the runs have a node budget small enough to trim on most steps."""
+        self.tree = HybridRadixTree(KV_SLOTS, MAMBA_SLOTS, max_nodes=budget)
 
     def _req(self, req: tuple[object, list[int]]) -> tuple[list[bytes], object]:
         part, tokens = req
@@ -85,14 +115,18 @@ class TreeMachine(RuleBasedStateMachine):
         start = min(start, len(hashes))
         res = self.tree.match(hashes, part, start, cap)
         limit = min(cap, len(hashes))
-        # Oracle: deepest boundary with loadable KV on [start, n) and a state at n.
-        want = 0
+        # Oracle: deepest boundary with loadable KV on [start, n) and a state at n, and
+        # every boundary on the way that has a loadable state.
+        want, bounds = 0, []
         for n in range(start + 1, limit + 1):
             if not _block(self.tree, hashes, part, n - 1) & LOADABLE:
                 break
-            if _state(self.tree, hashes, part, n) & LOADABLE:
+            m = _state(self.tree, hashes, part, n)
+            if m & LOADABLE:
                 want = n
+                bounds.append((n, bool(m & HOST)))
         assert res.num_blocks == want, (res, want)
+        assert res.boundaries == bounds, (res.boundaries, bounds)
         if want:
             assert len(res.kv_slots) == want - start
             for j, s in enumerate(res.kv_slots):
@@ -101,8 +135,30 @@ class TreeMachine(RuleBasedStateMachine):
             assert res.host_num_blocks <= res.num_blocks
             if take:  # lock 3 hits out of 4: loads in flight are the hard part
                 h = self.tree.lock(res)
-                assert h is not None
+                assert h is not None and not h.pinned
                 self.locked.append((h, hashes, part, start, want, res.kv_slots, res.mamba_slot))
+
+    @rule(req=stored, n=st.integers(1, MAX_LEN))
+    def pin(self, req, n) -> None:
+        """A prefetch pins the prefix it extends: its host blocks must not move until unpin."""
+        hashes, part = self._req(req)
+        n = min(n, len(hashes))
+        found = self.tree.forest.locate(hashes, part, n)
+        if found is None:
+            try:
+                self.tree.pin(hashes, part, n)
+            except KeyError:
+                return
+            raise AssertionError("pin of a path that is not in the tree")
+        h = self.tree.pin(hashes, part, n)
+        assert h.pinned and h.kv_node is found[0]
+        slots = []
+        for b in range(n):
+            f = self.tree.forest.locate(hashes, part, b + 1)
+            assert f is not None
+            slots.append(f[0].slot(f[1]) if f[0].flags[f[1]] & HOST else NO_SLOT)
+        mslot = NO_SLOT if h.mamba_node is None else h.mamba_node.mamba_slot
+        self.locked.append((h, hashes, part, 0, n, slots, mslot))
 
     @precondition(lambda self: self.locked)
     @rule(i=st.integers(0, 100))
@@ -147,20 +203,47 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 4))
     def evict_host(self, n) -> None:
-        self.tree.evict_host(n)
+        """Per-block eviction: exactly ``n`` host blocks go while enough are evictable."""
+        tree = self.tree
+        evictable = sum(x.n_host for x in tree.iter_nodes() if kv_evictable(x))
+        used = tree.stats()["host_kv_used"]
+        freed = tree.evict_host(n)
+        assert freed == min(n, evictable), (freed, n, evictable)
+        assert used - tree.stats()["host_kv_used"] == freed
 
     @rule(n=st.integers(1, 2))
     def evict_host_mamba(self, n) -> None:
         self.tree.evict_host_mamba(n)
 
-    @rule(req=requests, n=st.integers(1, MAX_LEN), m=st.booleans(), storage=st.booleans())
-    def mark(self, req, n, m, storage) -> None:
+    @rule(req=requests, n=st.integers(1, MAX_LEN), m=st.booleans())
+    def mark_device(self, req, n, m) -> None:
+        hashes, part = self._req(req)
+        self.tree.mark_device(hashes, part, min(n, len(hashes)), mamba=m)
+
+    @rule(req=requests, n=st.integers(1, MAX_LEN), ends=st.lists(st.integers(1, MAX_LEN)))
+    def mark_storage(self, req, n, ends) -> None:
+        """A probe answer in one walk: every named block and state is in storage after it
+        (unless the budget trimmed it right away, or a reset condemned the path)."""
         hashes, part = self._req(req)
         n = min(n, len(hashes))
-        if storage:
-            self.tree.mark_storage(hashes, part, n, mamba=m)
-        else:
-            self.tree.mark_device(hashes, part, n, mamba=m)
+        ends = [e for e in ends if e <= n]
+        tree = self.tree
+        # Marks landing on a path a reset condemned go with it (conservative, never wrong).
+        condemned = any(
+            f is not None and _doomed(tree, f[0])
+            for f in (tree.forest.locate(hashes, part, b) for b in range(1, n + 1))
+        )
+        tree.mark_storage(hashes, part, n, ends)
+        for b in range(1, n + 1):
+            if condemned:
+                break
+            found = tree.forest.locate(hashes, part, b)
+            if found is None:
+                assert tree.max_nodes is not None, "a marked block vanished without a budget"
+            elif not _doomed(tree, found[0]):
+                assert found[0].flags[found[1]] & STORAGE
+                if b in ends:
+                    assert found[0].end == b and found[0].mamba & STORAGE
 
     @rule(req=requests, a=st.integers(0, MAX_LEN), b=st.integers(1, MAX_LEN), storage=st.booleans())
     def evict_tier(self, req, a, b, storage) -> None:
@@ -181,11 +264,11 @@ class TreeMachine(RuleBasedStateMachine):
         check_invariants(self.tree)
         for _h, hashes, part, start, n, slots, mslot in self.locked:
             for j, s in enumerate(slots):
-                if s != NO_SLOT:  # locked host KV stays exactly where the load reads it
-                    found = self.tree._locate(hashes, part, start + j + 1)
+                if s != NO_SLOT:  # locked / pinned host KV stays exactly where it was
+                    found = self.tree.forest.locate(hashes, part, start + j + 1)
                     assert found is not None and found[0].slot(found[1]) == s
             if mslot != NO_SLOT:
-                found = self.tree._locate(hashes, part, n)
+                found = self.tree.forest.locate(hashes, part, n)
                 assert found is not None and found[0].mamba_slot == mslot
 
     def teardown(self) -> None:

@@ -1,14 +1,16 @@
-"""Free-list allocator for a fixed pool of host slots (KV blocks or Mamba states).
+"""Free-list allocator of host slot *indices* (KV blocks or Mamba states).
 
-The tree owns both host pools so that conservation (free + used = capacity) is a property
-of one object and can be checked after every step; a separate allocator that the tree only
-*told* about frees is how the reference leaked slots (#27489, #9927).
+It hands out numbers only; the bytes behind slot ``i`` live in the worker's
+``himamba.tiers.cpu_pool.HostSlotPool``. The tree owns both allocators so that conservation
+(free + used = capacity) is a property of one object and can be checked after every step; a
+separate allocator that the tree only *told* about frees is how the reference leaked slots
+(#27489, #9927).
 """
 
 from __future__ import annotations
 
 
-class SlotPool:
+class SlotAllocator:
     """LIFO free list over ``range(capacity)``; LIFO reuses slots that are still warm in cache."""
 
     __slots__ = ("capacity", "_free", "_is_free")

@@ -1,17 +1,21 @@
 """Invariant checker for ``HybridRadixTree``: the oracle of the property tests.
 
-Every check recomputes from scratch what the tree maintains incrementally (counters, LRU
-membership, lock counts, pool usage), so an incremental-update bug shows up as a named
-mismatch right after the step that caused it, not as a crash hours later (the reference's
-lesson: #12007, #27147, #36696, #27489). O(tree size): call it in tests, not in serving.
+Every check recomputes from scratch what the tree maintains incrementally (counters, LRU and
+trim-order membership, lock and pin counts, pool usage, the node budget), so an
+incremental-update bug shows up as a named mismatch right after the step that caused it, not
+as a crash hours later (the reference's lesson: #12007, #27147, #36696, #27489).
+O(tree size): call it in tests and leak reports, not per request.
 """
 
 from __future__ import annotations
 
-from .radix_tree import HybridRadixTree
-from .tree_node import GPU, HOST, LOADABLE, NO_SLOT, PENDING, STORAGE, Node
+from typing import TYPE_CHECKING
 
-_BITS = GPU | HOST | PENDING | STORAGE
+from .eviction import kv_evictable, mamba_evictable, trimmable
+from .node import ALL_TIERS, GPU, HOST, LOADABLE, NO_SLOT, PENDING, Node
+
+if TYPE_CHECKING:
+    from .tree import HybridRadixTree
 
 
 def _check(cond: bool, invariant: str, detail: object) -> None:
@@ -21,9 +25,11 @@ def _check(cond: bool, invariant: str, detail: object) -> None:
 
 def check_invariants(tree: HybridRadixTree) -> None:
     """Raise ``AssertionError`` naming the first violated invariant."""
+    forest = tree.forest
     nodes: list[Node] = []
+    _check(not forest.dirty, "settled", "split halves left unsettled after a call")
     # --- children map, lengths, partitions (sglang note §2 items 4, 5)
-    for key, root in tree.roots.items():
+    for key, root in forest.roots.items():
         _check(root.parent is None and not root.hashes, "root", root)
         _check(root.partition == key, "partition", (key, root.partition))
         _check(bool(root.children), "no-empty-root", key)
@@ -42,11 +48,12 @@ def check_invariants(tree: HybridRadixTree) -> None:
             _check_node(x, prefix_live)
             child_live = prefix_live and x.n_live == len(x.hashes)
             stack.extend((c, x, child_live) for c in x.children.values())
-    for x in tree.doomed:
+    for x in forest.doomed:
         _check(x.parent is not None and x.held, "reset", f"doomed node not held/attached {x}")
-    _check(len(nodes) == tree.num_nodes, "size-accounting", (len(nodes), tree.num_nodes))
+    _check(len(nodes) == forest.num_nodes, "size-accounting", (len(nodes), forest.num_nodes))
     _check_pools_and_pending(tree, nodes)
     _check_lru(tree, nodes)
+    _check_budget(tree, nodes)
     _check_locks(tree, nodes)
 
 
@@ -54,7 +61,7 @@ def _check_node(x: Node, prefix_live: bool) -> None:
     """Tier presence, counters, state-at-node-end and invariant P for one node."""
     live = load = host = pend = gpu = 0
     for i, f in enumerate(x.flags):
-        _check(f & ~_BITS == 0, "tier-presence", f"unknown bits {f}")
+        _check(f & ~ALL_TIERS == 0, "tier-presence", f"unknown bits {f}")
         _check(not (f & HOST and f & PENDING), "tier-presence", "block both committed and pending")
         has_slot = x.slots is not None and x.slots[i] != NO_SLOT
         _check(has_slot == bool(f & (HOST | PENDING)), "tier-presence", f"slot vs flags at {i}")
@@ -66,7 +73,7 @@ def _check_node(x: Node, prefix_live: bool) -> None:
     got = (x.n_live, x.n_load, x.n_host, x.n_pend, x.n_gpu)
     _check(got == (live, load, host, pend, gpu), "size-accounting", ("counters", got))
     m = x.mamba
-    _check(m & ~_BITS == 0, "mamba-state", f"unknown bits {m}")
+    _check(m & ~ALL_TIERS == 0, "mamba-state", f"unknown bits {m}")
     _check(not (m & HOST and m & PENDING), "mamba-state", "state both committed and pending")
     _check((x.mamba_slot != NO_SLOT) == bool(m & (HOST | PENDING)), "mamba-state", "slot vs bits")
     _check(not (x.tombstone and m & (HOST | PENDING)), "mamba-state", "tombstone holds a state")
@@ -84,6 +91,7 @@ def _check_node(x: Node, prefix_live: bool) -> None:
 
 def _check_pools_and_pending(tree: HybridRadixTree, nodes: list[Node]) -> None:
     """Pool conservation (free + used = size) for host KV and host Mamba; pending maps."""
+    forest = tree.forest
     kv_used: set[int] = set()
     mamba_used: set[int] = set()
     pend_blocks = pend_states = 0
@@ -92,62 +100,79 @@ def _check_pools_and_pending(tree: HybridRadixTree, nodes: list[Node]) -> None:
             if f & (HOST | PENDING):
                 s = x.slots[i]  # type: ignore[index]
                 _check(s not in kv_used, "pool-conservation", f"KV slot {s} used twice")
-                _check(not tree.kv_pool.is_free(s), "pool-conservation", f"KV slot {s} is free")
+                _check(not tree.kv_slots.is_free(s), "pool-conservation", f"KV slot {s} is free")
                 kv_used.add(s)
             if f & PENDING:
                 pend_blocks += 1
-                _check(tree.pending_kv.get(x.slots[i]) == (x, i), "pending", "KV entry")  # type: ignore[index]
+                _check(forest.pending_kv.get(x.slots[i]) == (x, i), "pending", "KV entry")  # type: ignore[index]
         if x.mamba & (HOST | PENDING):
             s = x.mamba_slot
             _check(s not in mamba_used, "pool-conservation", f"Mamba slot {s} used twice")
-            _check(not tree.mamba_pool.is_free(s), "pool-conservation", f"Mamba slot {s} free")
+            _check(not tree.mamba_slots.is_free(s), "pool-conservation", f"Mamba slot {s} free")
             mamba_used.add(s)
         if x.mamba & PENDING:
             pend_states += 1
-            _check(tree.pending_mamba.get(x.mamba_slot) is x, "pending", "Mamba entry")
-    _check(pend_blocks == len(tree.pending_kv), "pending", "stale KV pending entries")
-    _check(pend_states == len(tree.pending_mamba), "pending", "stale Mamba pending entries")
-    for pool, used, name in ((tree.kv_pool, kv_used, "KV"), (tree.mamba_pool, mamba_used, "Mamba")):
-        free = pool.free_slots()
+            _check(forest.pending_mamba.get(x.mamba_slot) is x, "pending", "Mamba entry")
+    _check(pend_blocks == len(forest.pending_kv), "pending", "stale KV pending entries")
+    _check(pend_states == len(forest.pending_mamba), "pending", "stale Mamba pending entries")
+    for alloc, used, name in (
+        (tree.kv_slots, kv_used, "KV"),
+        (tree.mamba_slots, mamba_used, "Mamba"),
+    ):
+        free = alloc.free_slots()
         _check(len(set(free)) == len(free), "pool-conservation", f"{name} free list duplicates")
         _check(
-            len(free) + len(used) == pool.capacity,
+            len(free) + len(used) == alloc.capacity,
             "pool-conservation",
-            f"{name}: free {len(free)} + used {len(used)} != size {pool.capacity}",
+            f"{name}: free {len(free)} + used {len(used)} != size {alloc.capacity}",
         )
 
 
 def _check_lru(tree: HybridRadixTree, nodes: list[Node]) -> None:
     """Membership, recency order, and 'descendants before ancestors' (head is a host leaf)."""
-    want_kv = {id(x) for x in nodes if x.kv_evictable}
-    have_kv = [id(x) for x in tree.kv_lru]
+    policy = tree.policy
+    want_kv = {id(x) for x in nodes if kv_evictable(x)}
+    have_kv = [id(x) for x in policy.kv_lru]
     _check(set(have_kv) == want_kv, "lru-membership", "host KV LRU != evictable host nodes")
     pos = {nid: i for i, nid in enumerate(have_kv)}
     last = -1
-    for x in tree.kv_lru:
+    for x in policy.kv_lru:
         _check(x.kv_access > last, "lru-order", "host KV LRU not sorted by access time")
         last = x.kv_access
         a = x.parent
-        while a is not None:
-            if id(a) in pos:
-                _check(pos[id(a)] > pos[id(x)], "leaf-set", "ancestor evictable before descendant")
+        while a is not None and id(a) not in pos:
             a = a.parent
-    want_m = {id(x) for x in nodes if x.mamba_evictable}
-    _check({id(x) for x in tree.mamba_lru} == want_m, "lru-membership", "host Mamba LRU")
+        if a is not None:  # the nearest evictable ancestor (order is transitive)
+            _check(pos[id(a)] > pos[id(x)], "leaf-set", "ancestor evictable before descendant")
+    want_m = {id(x) for x in nodes if mamba_evictable(x)}
+    _check({id(x) for x in policy.mamba_lru} == want_m, "lru-membership", "host Mamba LRU")
     last = -1
-    for x in tree.mamba_lru:
+    for x in policy.mamba_lru:
         _check(x.mamba_access > last, "lru-order", "host Mamba LRU not sorted by access time")
         last = x.mamba_access
 
 
+def _check_budget(tree: HybridRadixTree, nodes: list[Node]) -> None:
+    """Invariant B, and that the trim order can reach every metadata leaf."""
+    meta = [x for x in nodes if trimmable(x)]
+    if tree.max_nodes is not None and len(nodes) > tree.max_nodes:
+        _check(not meta, "budget", f"{len(nodes)} nodes > {tree.max_nodes} with {meta[:3]}")
+    if tree.policy.track_trim:
+        live = {id(x) for stamp, x in tree.policy.trim_entries() if stamp == x.seen}
+        for x in meta:
+            _check(id(x) in live, "trim-order", f"metadata leaf not queued for trimming {x}")
+
+
 def _check_locks(tree: HybridRadixTree, nodes: list[Node]) -> None:
-    """Lock counts equal what the live handles say they locked; path locks are monotone."""
+    """Lock counts equal what the live handles (loads and pins) say they locked; path locks
+    are monotone; a handle's state lock is on its own node."""
     kv: dict[int, int] = {}
     mamba: dict[int, int] = {}
     for h in tree.handles:
         _check(not h.released, "locks", "released handle still registered")
         x = h.kv_node
         _check(x is not None and x.parent is not None, "locks", "handle on a detached node")
+        _check(h.mamba_node is None or h.mamba_node is x, "locks", "state lock off the kv node")
         while x is not None and x.parent is not None:
             kv[id(x)] = kv.get(id(x), 0) + 1
             x = x.parent

@@ -4,7 +4,8 @@ Tier presence is kept *per block* inside a node (a ``bytearray`` of bit flags) i
 splitting a node whenever two blocks live in different tiers. Stores arrive one block at a
 time and vLLM evicts GPU blocks in any order, so node-uniform tiers would shred every
 conversation into one-block nodes; per-block flags keep nodes as long as the branching and
-the Mamba boundaries allow, and make a match cost O(nodes), not O(blocks).
+the Mamba boundaries allow, make a match cost O(nodes), not O(blocks), and let host eviction
+free one block at a time from a node's end without reshaping the tree.
 
 No vLLM import here: the tree is a pure data structure, testable on any machine.
 """
@@ -12,7 +13,8 @@ No vLLM import here: the tree is a pure data structure, testable on any machine.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from itertools import pairwise
 
 # Tier bits, used both for a block's KV (``Node.flags[i]``) and for the Mamba state at the
 # node end (``Node.mamba``).
@@ -21,7 +23,34 @@ HOST = 2  # committed in a pinned-CPU slot owned by the tree
 PENDING = 4  # a host slot is reserved and a store is in flight: locked, not matchable
 STORAGE = 8  # present in the storage tier (LMCache); the tree holds no bytes for it
 LOADABLE = HOST | STORAGE  # what a hit may read beyond vLLM's own GPU prefix
+ALL_TIERS = GPU | HOST | PENDING | STORAGE
 NO_SLOT = -1
+
+
+def _has(bit: int) -> bytes:
+    """``bytes.translate`` table mapping a flag byte to 1 when it carries ``bit``: counting a
+    node's blocks per tier then runs in C, which keeps multi-way splits linear."""
+    return bytes(int(bool(v & bit)) for v in range(256))
+
+
+_HAS_LOAD, _HAS_HOST, _HAS_PEND, _HAS_GPU = (_has(b) for b in (LOADABLE, HOST, PENDING, GPU))
+
+
+def common_prefix(a: list[bytes], b: Sequence[bytes], pos: int, k: int) -> int:
+    """How many of ``a[:k]`` equal ``b[pos:pos+k]``, given ``a[0] == b[pos]``.
+
+    vLLM chains block hashes (hash ``i`` covers blocks ``0..i``), so two runs that agree on
+    a hash agree on every earlier one: compare the last hash, binary-search on divergence."""
+    if a[k - 1] == b[pos + k - 1]:
+        return k
+    lo, hi = 1, k - 1  # a[lo-1] matches, a[hi] does not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if a[mid] == b[pos + mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 class Node:
@@ -33,11 +62,12 @@ class Node:
     because GPU-only and storage-only nodes never need it. Counters mirror the flags so that
     the common checks ("is every block of this node loadable?") are O(1).
 
-    Locks follow the reference's split, kept apart: ``kv_lock`` counts in-flight loads that
+    Locks follow the reference's split, kept apart: ``kv_lock`` counts loads and pins that
     read this node's host KV (taken on the whole path to the root, so a locked node's
     ancestors are locked too), ``mamba_lock`` counts loads reading the host Mamba state at
     this node's end (node only). In-flight stores are ``PENDING`` bits (``n_pend`` for KV,
-    ``mamba & PENDING`` for the state).
+    ``mamba & PENDING`` for the state). Recency stamps belong to the eviction policy:
+    ``kv_access`` / ``mamba_access`` order its two host LRUs, ``seen`` its metadata trim.
     """
 
     __slots__ = (
@@ -61,6 +91,7 @@ class Node:
         "hits",
         "kv_access",
         "mamba_access",
+        "seen",
     )
 
     def __init__(
@@ -82,6 +113,7 @@ class Node:
         self.hits = 0
         self.kv_access = 0
         self.mamba_access = 0
+        self.seen = 0
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -95,18 +127,8 @@ class Node:
 
     @property
     def held(self) -> bool:
-        """Something in flight reads or writes this node: cascades must not touch it."""
+        """Something in flight reads or writes this node: cascades and trims must not touch it."""
         return bool(self.kv_lock or self.mamba_lock or self.n_pend or self.mamba & PENDING)
-
-    @property
-    def kv_evictable(self) -> bool:
-        """Membership rule of the host-KV LRU."""
-        return self.n_host > 0 and self.kv_lock == 0 and self.n_pend == 0
-
-    @property
-    def mamba_evictable(self) -> bool:
-        """Membership rule of the host-Mamba LRU."""
-        return bool(self.mamba & HOST) and self.mamba_lock == 0
 
     def set_flag(self, i: int, new: int) -> None:
         """The only writer of ``flags``: keeps the counters exact."""
@@ -133,12 +155,11 @@ class Node:
     def recount(self) -> None:
         """Recompute the counters from the flags (after a split)."""
         f = self.flags
-        n = len(f)
-        self.n_live = n - f.count(0)
-        self.n_load = sum(1 for x in f if x & LOADABLE)
-        self.n_host = sum(1 for x in f if x & HOST)
-        self.n_pend = sum(1 for x in f if x & PENDING)
-        self.n_gpu = sum(1 for x in f if x & GPU)
+        self.n_live = len(f) - f.count(0)
+        self.n_load = f.translate(_HAS_LOAD).count(1)
+        self.n_host = f.translate(_HAS_HOST).count(1)
+        self.n_pend = f.translate(_HAS_PEND).count(1)
+        self.n_gpu = f.translate(_HAS_GPU).count(1)
 
     def extend(self, hashes: list[bytes]) -> None:
         """Append absent blocks to a stateless leaf (write-through grows one block at a time)."""
@@ -147,29 +168,43 @@ class Node:
         if self.slots is not None:
             self.slots.extend([NO_SLOT] * len(hashes))
 
-    def split(self, k: int) -> Node:
-        """Cut after ``k`` blocks; return the new *head*. ``self`` keeps the tail.
+    def split_at(self, cuts: Sequence[int]) -> list[Node]:
+        """Cut before every index in ``cuts`` (ascending, each in ``(0, len)``) in one pass;
+        return the new *heads*, top-down. ``self`` keeps the last piece.
 
         The tail keeps its identity, children, Mamba state, hit count and LRU entries, so
-        handles and LRU lists that point at it stay valid. The head inherits ``kv_lock``:
-        every load locking the tail locked its whole path, and the head is on that path.
+        handles and LRU lists that point at it stay valid. Heads inherit ``kv_lock``: every
+        load or pin locking the tail locked its whole path, and the heads are on that path.
+        One pass costs O(len) however many cuts: a state marked at every block of a long
+        node must not copy the node's tail once per cut.
         """
-        assert 0 < k < len(self.hashes), "split must leave both halves non-empty"
-        head = Node(self.parent, self.partition, self.start, self.hashes[:k])
-        head.flags = self.flags[:k]
+        n = len(self.hashes)
+        assert cuts and 0 < cuts[0] and cuts[-1] < n, "cuts must leave every piece non-empty"
+        parent = self.parent
+        assert parent is not None
+        heads: list[Node] = []
+        bounds = [0, *cuts]
+        for a, b in pairwise(bounds):
+            assert a < b, "cuts must ascend"
+            head = Node(parent, self.partition, self.start + a, self.hashes[a:b])
+            head.flags = self.flags[a:b]
+            if self.slots is not None:
+                head.slots = self.slots[a:b]
+            head.recount()
+            head.kv_lock = self.kv_lock
+            head.hits = self.hits
+            head.kv_access = self.kv_access
+            head.seen = self.seen
+            parent.children[head.hashes[0]] = head
+            parent = head
+            heads.append(head)
+        last = cuts[-1]
+        self.hashes = self.hashes[last:]
+        self.flags = self.flags[last:]
         if self.slots is not None:
-            head.slots = self.slots[:k]
-            self.slots = self.slots[k:]
-        self.hashes = self.hashes[k:]
-        self.flags = self.flags[k:]
-        self.start += k
-        head.recount()
+            self.slots = self.slots[last:]
+        self.start += last
         self.recount()
-        head.kv_lock = self.kv_lock
-        head.hits = self.hits
-        head.kv_access = self.kv_access
-        assert self.parent is not None
-        self.parent.children[head.hashes[0]] = head
-        head.children[self.hashes[0]] = self
-        self.parent = head
-        return head
+        parent.children[self.hashes[0]] = self
+        self.parent = parent
+        return heads

@@ -1,0 +1,153 @@
+"""The shape of the hybrid radix tree: roots, paths, splits, and every index into nodes.
+
+One root per partition (cache salt / LoRA), so a different salt never matches even if a
+caller passes unchained hashes for the first block. ``Forest`` is the only code that changes
+the shape (creates, splits, detaches nodes), so it also owns everything that points *into*
+a node by position and must follow a reshape: the pending-store maps (slot -> node, index),
+the set of nodes a reset condemned, the node count and the queue of split halves that the
+maintenance pass must revalidate. It knows nothing about tiers' meaning, slots' bytes or
+eviction order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Sequence
+from itertools import pairwise
+
+from .node import PENDING, Node, common_prefix
+
+
+class Forest:
+    """Roots by partition plus the position-dependent indexes a split must keep exact."""
+
+    def __init__(self) -> None:
+        self.roots: dict[Hashable, Node] = {}
+        self.num_nodes = 0
+        # In-flight stores: host KV slot -> (node, block index in node); Mamba slot -> node.
+        self.pending_kv: dict[int, tuple[Node, int]] = {}
+        self.pending_mamba: dict[int, Node] = {}
+        # Held nodes that a reset() condemned: never matched, dropped when released.
+        self.doomed: set[Node] = set()
+        # Split tails whose pieces may have stopped being held: revalidated before the
+        # public call returns (``Maintenance.flush``).
+        self.dirty: list[Node] = []
+
+    def locate(
+        self, hashes: Sequence[bytes], partition: Hashable, end: int
+    ) -> tuple[Node, int] | None:
+        """The node holding block ``end - 1`` and its index there, without changing the tree."""
+        node, pos = self.roots.get(partition), 0
+        while node is not None and pos < end:
+            child = node.children.get(hashes[pos])
+            if child is None:
+                return None
+            k = min(len(child.hashes), end - pos)
+            if common_prefix(child.hashes, hashes, pos, k) < k:
+                return None
+            pos += k
+            if pos == end:
+                return child, k - 1
+            node = child
+        return None
+
+    def ensure_path(
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        end: int,
+        cuts: Sequence[int] = (),
+    ) -> list[Node]:
+        """Create the path of blocks ``[0, end)`` with a node boundary at every value of
+        ``cuts`` (ascending, each in ``1..end``); return its nodes top-down, the last one
+        holding block ``end - 1``. New blocks have no tier yet.
+
+        One walk whatever the number of cuts: O(nodes on the path + cuts + new blocks)."""
+        node = self.roots.get(partition)
+        if node is None:
+            node = self.roots[partition] = Node(None, partition, 0, [])
+        path: list[Node] = []
+        pos, ci, nc = 0, 0, len(cuts)
+        while pos < end:
+            child = node.children.get(hashes[pos])
+            if child is None:
+                break
+            size = len(child.hashes)
+            m = common_prefix(child.hashes, hashes, pos, min(size, end - pos))
+            while ci < nc and cuts[ci] <= pos:
+                ci += 1
+            inner: list[int] = []
+            while ci < nc and cuts[ci] - pos < size and cuts[ci] - pos <= m:
+                inner.append(cuts[ci] - pos)
+                ci += 1
+            if m < min(size, end - pos) and (not inner or inner[-1] != m):
+                inner.append(m)  # the request diverges inside: it branches off at m
+            if inner:
+                path += self.split(child, inner)
+                if inner[-1] < m:
+                    path.append(child)
+            else:
+                path.append(child)
+            node = path[-1]
+            pos += m
+            if m < size:
+                break
+        if pos < end:
+            while ci < nc and cuts[ci] < pos:
+                ci += 1
+            state_at_pos = (ci < nc and cuts[ci] == pos) or (ci > 0 and cuts[ci - 1] == pos)
+            rest = [c for c in cuts[ci:] if pos < c < end]
+            bounds = [pos, *rest, end]
+            grow = (
+                node.parent is not None
+                and not node.children
+                and not node.mamba
+                and not state_at_pos  # a state goes at pos: the node must keep ending there
+            )
+            for a, b in pairwise(bounds):
+                if grow:  # extend a stateless leaf in place (write-through: one block a time)
+                    node.extend(list(hashes[a:b]))
+                    node.tombstone = False
+                    grow = False
+                    continue
+                child = Node(node, partition, a, list(hashes[a:b]))
+                node.children[hashes[a]] = child
+                self.num_nodes += 1
+                path.append(child)
+                node = child
+        return path
+
+    def split(self, node: Node, cuts: Sequence[int]) -> list[Node]:
+        """Cut ``node`` before each offset in ``cuts``; return the new heads top-down."""
+        heads = node.split_at(cuts)
+        self.num_nodes += len(heads)
+        if self.doomed and node in self.doomed:  # every piece holds pre-reset content
+            self.doomed.update(heads)
+        for part in (*heads, node):
+            if part.n_pend:
+                slots = part.slots
+                assert slots is not None
+                for i, f in enumerate(part.flags):
+                    if f & PENDING:
+                        self.pending_kv[slots[i]] = (part, i)
+        self.dirty.append(node)
+        return heads
+
+    def detach(self, x: Node) -> Node:
+        """Unlink the leaf ``x``; return its former parent (an emptied root goes too)."""
+        parent = x.parent
+        assert parent is not None and not x.children
+        del parent.children[x.hashes[0]]
+        x.parent = None
+        self.num_nodes -= 1
+        self.doomed.discard(x)
+        if parent.parent is None and not parent.children:
+            del self.roots[parent.partition]
+        return parent
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every non-root node, parents before children."""
+        stack = [c for r in self.roots.values() for c in r.children.values()]
+        while stack:
+            x = stack.pop()
+            yield x
+            stack.extend(x.children.values())

@@ -1,0 +1,582 @@
+"""Hybrid radix tree: which prefix of a request can be served, from which tier, and what to evict.
+
+Keys are vLLM block hashes. vLLM chains them (hash ``i`` covers blocks ``0..i`` plus the
+cache salt / LoRA extra keys), so two runs of blocks that agree on their last hash agree on
+every hash: the tree compares one hash per node and binary-searches only on divergence.
+Requests are also partitioned (one root per ``partition``).
+
+A hit needs both halves of a hybrid model's cache: KV for every block up to a boundary *and*
+the Mamba state at exactly that boundary. Nodes end at every boundary that has (or had) a
+state, and tiers are kept per block inside a node (``node.py``).
+
+Invariants, each kept by one piece of code and all recomputed by ``invariants.check_invariants``
+after any public call:
+
+* **P** (liveness is prefix-closed): for every unheld node, every block with a tier and the
+  state at its end have every earlier block of their path in some tier (GPU, host, pending
+  store or storage). Kept by ``maintenance.Maintenance`` (cascade on the first lost tier,
+  revalidation of held nodes at release). Host eviction goes one block at a time from the
+  end of the LRU host leaf, so losing a block's last tier kills only what lies after it: the
+  conversation's earlier blocks, and every state whose prefix is still whole, stay. A store
+  from the GPU marks its prefix as GPU-resident (the request really has those blocks in its
+  block table), which is how "block i stored while blocks < i are on GPU only" keeps P.
+* **Locks**: a load's ``LockHandle`` and a prefetch's pin kv-lock a whole path (what it locked
+  is recorded in the handle, never re-derived, #27147); a kv-locked node is in no eviction
+  order and no cascade or trim touches it, so its host KV keeps its slots until ``unlock``.
+* **Conservation**: both slot allocators belong to the tree; free + used = capacity.
+* **B** (the node budget, ``max_nodes``): after every public call the node count is within
+  budget or no node is a metadata leaf; nodes that hold only GPU / storage marks would
+  otherwise grow without bound (vLLM tells a connector nothing when it drops GPU blocks).
+  Kept by ``Maintenance.trim``; it never drops host bytes, pending stores or held paths.
+
+Where the rest lives: ``forest.py`` (shape: paths, splits, pending maps), ``eviction.py``
+(victim order), ``maintenance.py`` (P and B), ``slot_allocator.py`` (host slot indices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .eviction import EvictionPolicy
+from .forest import Forest
+from .maintenance import Maintenance
+from .node import GPU, HOST, LOADABLE, NO_SLOT, PENDING, STORAGE, Node, common_prefix
+from .slot_allocator import SlotAllocator
+
+_COUNTERS = (
+    "hits", "misses", "kv_evicted", "mamba_evicted", "kv_cascaded", "mamba_cascaded",
+    "alloc_failures", "stores_committed", "stores_rolled_back", "stale_completions",
+    "nodes_trimmed",
+)  # fmt: skip
+
+
+@dataclass
+class MatchResult:
+    """A hybrid hit: KV for blocks ``[start_block, num_blocks)`` plus the Mamba state at
+    ``num_blocks``. ``kv_slots[j]`` is the host slot of block ``start_block + j``, or
+    ``NO_SLOT`` when that block is only in storage (listed in ``storage_blocks``: the
+    prefetch plan). ``host_num_blocks`` is the deepest hit that needs no prefetch at all.
+    ``boundaries`` lists every boundary in ``(start_block, num_blocks]`` with a loadable
+    state, ascending, as ``(boundary, state_on_host)``: a planner that cannot reserve the
+    whole plan falls back to the deepest one whose storage-only blocks it holds."""
+
+    num_blocks: int
+    start_block: int
+    partition: Hashable
+    kv_slots: list[int] = field(default_factory=list)
+    storage_blocks: list[int] = field(default_factory=list)
+    mamba_slot: int = NO_SLOT
+    mamba_in_storage: bool = False
+    host_num_blocks: int = 0
+    boundaries: list[tuple[int, bool]] = field(default_factory=list)
+    _node: Node | None = field(default=None, repr=False, compare=False)
+    _host_node: Node | None = field(default=None, repr=False, compare=False)
+
+    def state_slot(self, host_only: bool = False) -> int:
+        """Host Mamba slot of the state this hit loads: the ``host_num_blocks`` hit's when
+        ``host_only``, else the full hit's (``NO_SLOT`` while that state is storage-only)."""
+        node = self._host_node if host_only else self._node
+        if node is None:
+            raise ValueError("no hit: the result has no state to load")
+        return node.mamba_slot
+
+
+@dataclass(eq=False)
+class LockHandle:
+    """What one pending load (or one pin) locked, recorded at lock time and never
+    re-derived (#27147): ``kv_node`` and its whole path hold one ``kv_lock`` each,
+    ``mamba_node`` (``kv_node`` itself, or None) one ``mamba_lock``."""
+
+    kv_node: Node | None
+    mamba_node: Node | None
+    pinned: bool = False
+    released: bool = False
+
+
+class HybridRadixTree:
+    """Tiered prefix index for hybrid (attention + Mamba) models. Owns both host allocators.
+
+    ``max_nodes`` bounds the tree's metadata (invariant B); None leaves it unbounded. Size
+    it well above the nodes one request can create (one per stored state boundary): a
+    budget is enforced at the end of every mutating call, so a storage-only path that a
+    prefetch will reserve slots for must be pinned first, or a trim between two
+    reservations may drop its deeper, still metadata-only nodes."""
+
+    def __init__(
+        self, host_kv_capacity: int, host_mamba_capacity: int, max_nodes: int | None = None
+    ) -> None:
+        if max_nodes is not None and max_nodes < 1:
+            raise ValueError("max_nodes must be >= 1 (or None for no budget)")
+        self.kv_slots = SlotAllocator(host_kv_capacity)
+        self.mamba_slots = SlotAllocator(host_mamba_capacity)
+        self.max_nodes = max_nodes
+        self.forest = Forest()
+        self.policy = EvictionPolicy(track_trim=max_nodes is not None)
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.maint = Maintenance(
+            self.forest, self.kv_slots, self.mamba_slots, self.policy, self.counters
+        )
+        self.handles: set[LockHandle] = set()
+
+    @property
+    def num_nodes(self) -> int:
+        return self.forest.num_nodes
+
+    # ------------------------------------------------------------------ lookups
+    def match(
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable = None,
+        start_block: int = 0,
+        max_blocks: int | None = None,
+    ) -> MatchResult:
+        """Deepest ``n`` in ``(start_block, max_blocks]`` with every block of
+        ``[start_block, n)`` loadable (host or storage) and a host/storage Mamba state at
+        exactly ``n``. Blocks below ``start_block`` are vLLM's own GPU hit: only their keys
+        must be in the tree. Refreshes the KV LRU of the hit path and the Mamba LRU of the
+        consumed state only."""
+        limit = len(hashes) if max_blocks is None else min(max_blocks, len(hashes))
+        res = MatchResult(0, start_block, partition)
+        doomed = self.forest.doomed
+        node = self.forest.roots.get(partition)
+        best = best_host = None
+        pos, all_host = 0, True
+        while node is not None and pos < limit:
+            child = node.children.get(hashes[pos])
+            if child is None or (doomed and child in doomed):
+                break
+            size = len(child.hashes)
+            k = common_prefix(child.hashes, hashes, pos, min(size, limit - pos))
+            child.hits += 1
+            lo = start_block - pos
+            if lo < k and child.n_load != size:
+                i, flags = max(lo, 0), child.flags
+                while i < k and flags[i] & LOADABLE:
+                    i += 1
+                if i < k:
+                    break
+            if all_host and lo < k and child.n_host != size:
+                all_host = all(f & HOST for f in child.flags[max(lo, 0) : k])
+            if k < size:
+                break
+            pos += size
+            node = child
+            if pos > start_block and child.mamba & LOADABLE:
+                on_host = bool(child.mamba & HOST)
+                res.boundaries.append((pos, on_host))
+                best = child
+                if all_host and on_host:
+                    best_host = child
+        if best is None:
+            self.counters["misses"] += 1
+            return res
+        self.counters["hits"] += 1
+        res.num_blocks, res._node = best.end, best
+        if best_host is not None:
+            res.host_num_blocks, res._host_node = best_host.end, best_host
+        if best.mamba & HOST:
+            res.mamba_slot = best.mamba_slot
+            self.policy.sync_mamba(best, touch=True)
+        else:
+            res.mamba_in_storage = True
+        path: list[Node] = []
+        x: Node = best
+        while x.parent is not None and x.end > start_block:
+            path.append(x)
+            x = x.parent
+        for x in reversed(path):
+            for i in range(max(start_block - x.start, 0), len(x.hashes)):
+                if x.flags[i] & HOST:
+                    res.kv_slots.append(x.slots[i])  # type: ignore[index]
+                else:
+                    res.kv_slots.append(NO_SLOT)
+                    res.storage_blocks.append(x.start + i)
+        self.policy.touch_path(best)
+        return res
+
+    def hit_count(self, hashes: Sequence[bytes], partition: Hashable, block_index: int) -> int:
+        """How many matches walked through block ``block_index`` (selective write-through)."""
+        found = self.forest.locate(hashes, partition, block_index + 1)
+        return 0 if found is None else found[0].hits
+
+    # ------------------------------------------------------------------ loads and pins
+    def lock(self, result: MatchResult, host_only: bool = False) -> LockHandle | None:
+        """Protect exactly what the load of ``result`` reads; None if the result went stale
+        (call it right after ``match``). ``host_only`` locks the ``host_num_blocks`` hit."""
+        node = result._host_node if host_only else result._node
+        if node is None or node.parent is None or not node.mamba & LOADABLE:
+            return None
+        return self._lock(node, state=True, pinned=False)
+
+    def pin(self, hashes: Sequence[bytes], partition: Hashable, num_blocks: int) -> LockHandle:
+        """Keep blocks ``[0, num_blocks)`` where they are while a prefetch fills the rest:
+        kv-lock the node holding block ``num_blocks - 1`` and all its ancestors (and the host
+        state at ``num_blocks`` if one is there; none is needed). While pinned, no host KV on
+        that path is evicted and no node on it is cascaded or trimmed, so reserving slots for
+        the storage-only blocks can never evict the host prefix they extend. Host states at
+        shallower boundaries stay evictable: pin the boundary the request will load (a
+        narrower pin, then ``unlock`` of the wider one, when a planner falls back).
+        Release with ``unlock``.
+
+        Raises ``KeyError`` if the tree has no such path (pin what ``match`` just found)."""
+        if not 1 <= num_blocks <= len(hashes):
+            raise IndexError(num_blocks)
+        found = self.forest.locate(hashes, partition, num_blocks)
+        if found is None:
+            raise KeyError("pin: blocks [0, num_blocks) are not in the tree")
+        node = found[0]
+        return self._lock(node, state=node.end == num_blocks, pinned=True)
+
+    def _lock(self, node: Node, state: bool, pinned: bool) -> LockHandle:
+        x = node
+        while x.parent is not None:
+            x.kv_lock += 1
+            self.policy.withdraw_kv(x)
+            x = x.parent
+        handle = LockHandle(node, None, pinned)
+        if state and node.mamba & HOST:
+            node.mamba_lock += 1
+            self.policy.sync_mamba(node)
+            handle.mamba_node = node
+        self.handles.add(handle)
+        return handle
+
+    def unlock(self, handle: LockHandle) -> None:
+        """Release exactly what ``handle`` locked (load finished or aborted, pin dropped)."""
+        if handle.released or handle not in self.handles:
+            raise RuntimeError("unlock of a handle that is not held")
+        handle.released = True
+        self.handles.discard(handle)
+        x = handle.kv_node
+        while x is not None and x.parent is not None:
+            assert x.kv_lock > 0, "kv_lock underflow"
+            x.kv_lock -= 1
+            x = x.parent
+        if handle.mamba_node is not None:
+            assert handle.mamba_node.mamba_lock > 0, "mamba_lock underflow"
+            handle.mamba_node.mamba_lock -= 1
+        if handle.kv_node is not None:
+            self.maint.settle(handle.kv_node)
+        self._finish()
+
+    complete_load = unlock
+
+    # ------------------------------------------------------------------ stores
+    def reserve_kv(
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        block_index: int,
+        from_device: bool = True,
+    ) -> int | None:
+        """A host slot to store block ``block_index`` into, or None (already on host or in
+        flight, or no evictable space). ``from_device``: the request holds blocks
+        ``0..block_index`` on GPU now, so they are marked GPU where the tree knew no tier."""
+        if not 0 <= block_index < len(hashes):
+            raise IndexError(block_index)
+        found = self.forest.locate(hashes, partition, block_index + 1)
+        if found is not None and found[0].flags[found[1]] & (HOST | PENDING):
+            return None
+        slot = self._alloc(self.kv_slots, self._evict_kv)
+        if slot is None:
+            self._finish()
+            return None
+        node = self.forest.ensure_path(hashes, partition, block_index + 1)[-1]
+        i = block_index - node.start
+        if from_device:
+            self._fill_absent(node, i, GPU)
+        node.set_flag(i, node.flags[i] | PENDING | (GPU if from_device else 0))
+        node.set_slot(i, slot)
+        self.forest.pending_kv[slot] = (node, i)
+        self.policy.withdraw_kv(node)
+        self._finish()
+        return slot
+
+    def reserve_mamba(
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        num_blocks: int,
+        from_device: bool = True,
+    ) -> int | None:
+        """A host slot for the Mamba state at boundary ``num_blocks``, or None."""
+        if not 1 <= num_blocks <= len(hashes):
+            raise IndexError(num_blocks)
+        found = self.forest.locate(hashes, partition, num_blocks)
+        if found is not None and found[0].end == num_blocks and found[0].mamba & (HOST | PENDING):
+            return None
+        slot = self._alloc(self.mamba_slots, self._evict_states)
+        if slot is None:
+            self._finish()
+            return None
+        node = self.forest.ensure_path(hashes, partition, num_blocks, (num_blocks,))[-1]
+        if from_device:
+            self._fill_absent(node, len(node.hashes), GPU)
+        node.mamba |= PENDING
+        node.mamba_slot = slot
+        node.tombstone = False
+        self.forest.pending_mamba[slot] = node
+        self._finish()
+        return slot
+
+    def complete_store(
+        self, kv_slots: Iterable[int] = (), mamba_slots: Iterable[int] = (), ok: bool = True
+    ) -> None:
+        """Commit (``ok``) or roll back reserved slots. Unknown slots are counted, ignored."""
+        touched: dict[int, Node] = {}
+        pending_kv, pending_mamba = self.forest.pending_kv, self.forest.pending_mamba
+        for slot in kv_slots:
+            entry = pending_kv.pop(slot, None)
+            if entry is None:
+                self.counters["stale_completions"] += 1
+                continue
+            node, i = entry
+            flag = node.flags[i] & ~PENDING
+            if ok:
+                flag |= HOST
+            else:
+                node.set_slot(i, NO_SLOT)
+                self.kv_slots.free(slot)
+            node.set_flag(i, flag)
+            touched[id(node)] = node
+            self.counters["stores_committed" if ok else "stores_rolled_back"] += 1
+        for slot in mamba_slots:
+            mnode = pending_mamba.pop(slot, None)
+            if mnode is None:
+                self.counters["stale_completions"] += 1
+                continue
+            mnode.mamba &= ~PENDING
+            if ok:
+                mnode.mamba |= HOST
+                self.policy.sync_mamba(mnode, touch=True)
+            else:
+                mnode.mamba_slot = NO_SLOT
+                self.mamba_slots.free(slot)
+            touched[id(mnode)] = mnode
+            self.counters["stores_committed" if ok else "stores_rolled_back"] += 1
+        for node in touched.values():
+            if node.parent is not None:
+                self.maint.settle(node)
+        self._finish()
+
+    # ------------------------------------------------------------------ eviction
+    def evict_host(self, num_blocks: int) -> int:
+        """Free ``num_blocks`` host KV slots, one block at a time from the end of the LRU
+        host leaf; returns how many were freed (fewer only if nothing else is evictable)."""
+        freed = self._evict_kv(num_blocks)
+        self._finish()
+        return freed
+
+    def evict_host_mamba(self, num_states: int) -> int:
+        """Free up to ``num_states`` LRU host Mamba states, leaving tombstones."""
+        freed = self._evict_states(num_states)
+        self._finish()
+        return freed
+
+    def _evict_kv(self, num_blocks: int) -> int:
+        freed = 0
+        while freed < num_blocks:
+            x = self.policy.kv_victim()
+            if x is None:
+                break
+            flags, slots = x.flags, x.slots
+            assert slots is not None
+            i, hole = len(flags), -1
+            while freed < num_blocks and x.n_host:
+                i -= 1
+                f = flags[i]
+                if f & HOST:
+                    self.kv_slots.free(slots[i])
+                    slots[i] = NO_SLOT
+                    x.set_flag(i, f & ~HOST)
+                    freed += 1
+                    self.counters["kv_evicted"] += 1
+                    if not flags[i]:
+                        hole = i  # its last tier: what follows it dies (invariant P)
+            if not x.n_host:
+                self.policy.withdraw_kv(x)
+            if hole >= 0:
+                freed += self.maint.kill_from(x, hole + 1)
+            elif not x.n_host:
+                self.maint.prune(x)  # it may be a metadata leaf now
+        return freed
+
+    def _evict_states(self, num_states: int) -> int:
+        freed = 0
+        while freed < num_states:
+            x = self.policy.mamba_victim()
+            if x is None:
+                break
+            self.mamba_slots.free(x.mamba_slot)
+            x.mamba_slot = NO_SLOT
+            x.mamba &= ~HOST
+            x.tombstone = True
+            self.policy.sync_mamba(x)
+            freed += 1
+            self.counters["mamba_evicted"] += 1
+            self.maint.prune(x)
+        return freed
+
+    def reset(self) -> None:
+        """Forget every tier of every block (e.g. new weights): what is not held goes now;
+        held nodes stop matching and go when released, so in-flight loads and stores stay
+        safe and nothing cached before the reset is ever served after it."""
+        for root in list(self.forest.roots.values()):
+            for child in list(root.children.values()):
+                if child.parent is not None:
+                    self.maint.kill_from(child, 0)
+        self.forest.doomed.update(x for x in self.forest.iter_nodes() if x.held)
+        self._finish()
+
+    # ------------------------------------------------------------------ GPU / storage mirror
+    def mark_device(
+        self, hashes: Sequence[bytes], partition: Hashable, num_blocks: int, mamba: bool = False
+    ) -> None:
+        """Blocks ``[0, num_blocks)`` are in vLLM's paged cache (and the state at
+        ``num_blocks`` too when ``mamba``)."""
+        self._mark(hashes, partition, num_blocks, GPU, (num_blocks,) if mamba else ())
+
+    def evict_device(
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        start_block: int = 0,
+        end_block: int | None = None,
+    ) -> None:
+        """vLLM dropped blocks ``[start_block, end_block)`` (and states ending in that range)."""
+        self._clear(hashes, partition, start_block, end_block, GPU)
+
+    def mark_storage(
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        num_blocks: int,
+        state_ends: Iterable[int] = (),
+    ) -> None:
+        """Storage holds KV blocks ``[0, num_blocks)`` (a contiguous hit, as LMCache reports)
+        and the Mamba state at every boundary in ``state_ends`` (each in ``1..num_blocks``).
+        One walk of the path, O(num_blocks + nodes), however many states: a probe answer for
+        a long conversation with a state at every block must not cost one walk per state."""
+        ends = sorted(set(state_ends))
+        if ends and not (1 <= ends[0] and ends[-1] <= num_blocks):
+            raise ValueError(f"state_ends must lie in 1..{num_blocks}")
+        self._mark(hashes, partition, num_blocks, STORAGE, ends)
+
+    def evict_storage(
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        start_block: int = 0,
+        end_block: int | None = None,
+    ) -> None:
+        """Storage lost blocks ``[start_block, end_block)`` (and states ending in that range)."""
+        self._clear(hashes, partition, start_block, end_block, STORAGE)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, int]:
+        return {
+            "host_kv_capacity": self.kv_slots.capacity,
+            "host_kv_used": self.kv_slots.num_used,
+            "host_kv_free": self.kv_slots.num_free,
+            "host_mamba_capacity": self.mamba_slots.capacity,
+            "host_mamba_used": self.mamba_slots.num_used,
+            "host_mamba_free": self.mamba_slots.num_free,
+            "nodes": self.forest.num_nodes,
+            "locks": len(self.handles),
+            "pins": sum(h.pinned for h in self.handles),
+            "pending_stores": len(self.forest.pending_kv) + len(self.forest.pending_mamba),
+            **self.counters,
+        }
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every non-root node, parents before children."""
+        return self.forest.iter_nodes()
+
+    # ------------------------------------------------------------------ internals
+    def _finish(self) -> None:
+        """End of every mutating call: revalidate split halves (P), then the budget (B)."""
+        self.maint.flush()
+        if self.max_nodes is not None and self.forest.num_nodes > self.max_nodes:
+            self.maint.trim(self.max_nodes)
+
+    def _alloc(self, slots: SlotAllocator, evict: Callable[[int], int]) -> int | None:
+        """A free slot, evicting one victim first if there is none."""
+        slot = slots.alloc()
+        if slot is None:
+            evict(1)
+            slot = slots.alloc()
+        if slot is None:
+            self.counters["alloc_failures"] += 1
+        return slot
+
+    def _fill_absent(self, node: Node, upto: int, bit: int) -> None:
+        """Give ``bit`` to every tier-less block of the path before ``node[upto]``."""
+        x: Node | None = node
+        while x is not None and x.parent is not None:
+            if x.n_live < len(x.hashes):
+                i = x.flags.find(0, 0, upto)
+                while 0 <= i:
+                    x.set_flag(i, bit)
+                    i = x.flags.find(0, i + 1, upto)
+            x = x.parent
+            upto = len(x.hashes) if x is not None else 0
+
+    def _mark(
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        num_blocks: int,
+        bit: int,
+        ends: Sequence[int],
+    ) -> None:
+        """Give ``bit`` to blocks ``[0, num_blocks)`` and to the state at each of ``ends``."""
+        if not 1 <= num_blocks <= len(hashes):
+            raise IndexError(num_blocks)
+        path = self.forest.ensure_path(hashes, partition, num_blocks, ends)
+        j = 0
+        for x in path:
+            upto = min(len(x.hashes), num_blocks - x.start)
+            if bit != GPU or x.n_gpu < len(x.hashes):
+                flags = x.flags
+                for i in range(upto):
+                    x.set_flag(i, flags[i] | bit)
+            if j < len(ends) and ends[j] == x.end:
+                x.mamba |= bit
+                x.tombstone = False
+                j += 1
+        assert j == len(ends), "ensure_path must end a node at every state boundary"
+        self.policy.touch_path(path[-1], kv=False)
+        self._finish()
+
+    def _clear(
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        start: int,
+        end: int | None,
+        bit: int,
+    ) -> None:
+        end = len(hashes) if end is None else min(end, len(hashes))
+        node, pos = self.forest.roots.get(partition), 0
+        hole: tuple[Node, int] | None = None
+        while node is not None and pos < end:
+            child = node.children.get(hashes[pos])
+            if child is None:
+                break
+            k = common_prefix(child.hashes, hashes, pos, min(len(child.hashes), end - pos))
+            for i in range(max(start - pos, 0), k):
+                child.set_flag(i, child.flags[i] & ~bit)
+                if hole is None and not child.flags[i]:
+                    hole = (child, i)
+            if start < child.end <= end:
+                child.mamba &= ~bit
+            if k < len(child.hashes):
+                break
+            pos += k
+            node = child
+        if hole is not None:
+            self.maint.kill_from(hole[0], hole[1] + 1)
+        elif node is not None and node.parent is not None:
+            self.maint.prune(node)
+        self._finish()
