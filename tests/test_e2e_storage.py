@@ -16,10 +16,12 @@ from scenarios import prompt
 pytest_plugins = ("storage_fixtures",)  # redis_server, storage_dir
 pytestmark = pytest.mark.e2e
 
-BLOCK = 128
 A_LEN, B_LEN = 1000, 700
-HIT_A = (A_LEN - 1) // BLOCK * BLOCK  # 896
-HIT_B = (B_LEN - 1) // BLOCK * BLOCK  # 640
+
+
+def hit(prompt_len: int, block_size: int) -> int:
+    """Deepest hittable boundary: the last prompt token is always recomputed."""
+    return (prompt_len - 1) // block_size * block_size
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +30,19 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(granite_model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    ref = run_scenario("baseline", {"model": str(granite_model), "prompts": prompts})
-    return [o["tokens"] for o in ref["single"]]
+def baseline_run(granite_model: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    return run_scenario("baseline", {"model": str(granite_model), "prompts": prompts})
+
+
+@pytest.fixture(scope="module")
+def reference(baseline_run: dict[str, Any]) -> list[list[int]]:
+    return [o["tokens"] for o in baseline_run["single"]]
+
+
+@pytest.fixture(scope="module")
+def block(baseline_run: dict[str, Any]) -> int:
+    """The engine's scheduler block size (vLLM derives it at start-up)."""
+    return int(baseline_run["block_size"])
 
 
 def extra(url: str, **storage: Any) -> dict[str, Any]:
@@ -38,7 +50,7 @@ def extra(url: str, **storage: Any) -> dict[str, Any]:
 
 
 def test_restarted_engine_hits_prefixes_another_process_wrote_to_disk(
-    granite_model, prompts, reference, tmp_path
+    granite_model, prompts, reference, block, tmp_path
 ):
     args = {
         "model": str(granite_model),
@@ -49,26 +61,26 @@ def test_restarted_engine_hits_prefixes_another_process_wrote_to_disk(
     assert [o["tokens"] for o in wrote["outs"]] == reference[:2]
     assert wrote["worker"]["storage_puts_ok"] > 0
     read = run_scenario("storage_reader", args)
-    assert [o["cached"] for o in read["outs"]] == [HIT_A, HIT_B]
+    assert [o["cached"] for o in read["outs"]] == [hit(A_LEN, block), hit(B_LEN, block)]
     assert [o["tokens"] for o in read["outs"]] == reference[:2]
     assert read["stats"]["storage_fetches"] == 2
-    assert read["worker"]["storage_gets_ok"] >= HIT_A // BLOCK + 1
+    assert read["worker"]["storage_gets_ok"] >= hit(A_LEN, block) // block + 1
     assert read["leaks"]["locked_entries"] == 0 and read["leaks"]["slots_conserved"]
 
 
 def test_two_engines_sharing_redis_reuse_each_others_prefixes(
-    granite_model, prompts, reference, redis_server
+    granite_model, prompts, reference, block, redis_server
 ):
     args = {"model": str(granite_model), "prompts": [prompts[0]], "extra": extra(redis_server.url)}
     run_scenario("storage_writer", args)
     read = run_scenario("storage_reader", {**args, "prompts": [prompts[0]]})
-    assert read["outs"][0]["cached"] == HIT_A
+    assert read["outs"][0]["cached"] == hit(A_LEN, block)
     assert read["outs"][0]["tokens"] == reference[0]
-    assert read["worker"]["storage_gets_ok"] >= HIT_A // BLOCK + 1
+    assert read["worker"]["storage_gets_ok"] >= hit(A_LEN, block) // block + 1
 
 
 def test_redis_outage_keeps_every_request_correct_and_hits_return_after_restart(
-    granite_model, prompts, reference, tmp_path
+    granite_model, prompts, reference, block, tmp_path
 ):
     args = {
         "model": str(granite_model),
@@ -83,7 +95,7 @@ def test_redis_outage_keeps_every_request_correct_and_hits_return_after_restart(
     assert [o["cached"] for o in out["down"]] == [0, 0]
     assert out["after_restart_cold"]["tokens"] == reference[2]
     # After the restart the prefix written since is served from Redis again.
-    assert out["after_restart_hit"]["cached"] == HIT_A
+    assert out["after_restart_hit"]["cached"] == hit(A_LEN, block)
     assert out["after_restart_hit"]["tokens"] == reference[2]
     assert out["leaks"]["locked_entries"] == 0
 
