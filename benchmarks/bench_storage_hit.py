@@ -11,8 +11,8 @@ each engine, a fresh random prompt of N + one block tokens, ``max_tokens`` (defa
   not part of any request),
 * ``cpu_hit``: ``llm.reset_prefix_cache()`` (vLLM's device cache only), then the same prompt: the
   first N tokens are loaded from the CPU tier (after the storage probe every new request makes),
-* ``storage_hit``: ``llm.reset_prefix_cache(reset_connector=True)`` (device cache and CPU tier
-  dropped), then the same prompt: the connector probes storage (``exists``), prefetches the N/bs
+* ``storage_hit``: ``llm.reset_prefix_cache()`` and the connector's ``drop_host_tier()`` (device
+  cache and CPU tier dropped, storage kept), then the same prompt: the connector probes storage (``exists``), prefetches the N/bs
   KV blocks and the Mamba state at N into host slots, then loads them like a CPU-tier hit. While
   the probe and the prefetch are in flight it answers vLLM "ask again", so the wall time counts
   those scheduler round trips: it is the latency a user sees,
@@ -100,14 +100,18 @@ def serve_engine(args: dict[str, Any]) -> None:
     # When the prefetch is submitted: splits the wait into probe (exists) and fetch (get).
     fetch_marks: list[float] = []
     planner = sched.scheduler.storage
-    orig_start_fetch = planner.start_fetch
+    orig_start_fetch = planner._start_fetch
 
     def start_fetch(*a: Any, **kw: Any) -> bool:
         ok = orig_start_fetch(*a, **kw)
         fetch_marks.append(time.perf_counter())
         return ok
 
-    planner.start_fetch = start_fetch  # type: ignore[method-assign]
+    planner._start_fetch = start_fetch  # type: ignore[method-assign]
+
+    def drop_host_tier() -> None:
+        llm.reset_prefix_cache()
+        sched.drop_host_tier()
 
     def counters() -> dict[str, float]:
         return {**worker.stats(), **{f"sched_{k}": v for k, v in sched.stats().items()}}
@@ -148,13 +152,13 @@ def serve_engine(args: dict[str, Any]) -> None:
         }
         llm.reset_prefix_cache()
         row["cpu_hit"] = timed(p)
-        llm.reset_prefix_cache(reset_connector=True)
+        drop_host_tier()
         row["storage_hit"] = timed(p)
         if evict:
             row["evicted_files"] = evict_page_cache(args["fs_root"])
-            llm.reset_prefix_cache(reset_connector=True)
+            drop_host_tier()
             row["storage_hit_evicted"] = timed(p)
-        llm.reset_prefix_cache(reset_connector=True)
+        drop_host_tier()
         return row
 
     evict = bool(args.get("fs_root")) and args["evict"]

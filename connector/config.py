@@ -33,6 +33,9 @@ class HiMambaConfig:
     # Also keep KV of decode-phase blocks, so a follow-up turn that extends
     # this conversation can hit beyond the original prompt.
     store_decode_blocks: bool = True
+    # vLLM's default kv_load_failure_policy "fail" fails a user request whenever a cache load
+    # fails; himamba switches it to "recompute" at start-up unless this is true.
+    respect_fail_policy: bool = False
     # Storage tier (LMCache adapters); None = CPU tier only. Parsed by
     # himamba.tiers.storage_config when present.
     storage: dict[str, Any] | None = None
@@ -88,6 +91,7 @@ _TYPES: dict[str, type] = {
     "mamba_cache_fraction": float,
     "min_load_tokens": int,
     "store_decode_blocks": bool,
+    "respect_fail_policy": bool,
 }
 
 

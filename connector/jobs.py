@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from himamba.connector.fetch_protocol import FetchOrder
+
 
 @dataclass
 class LoadJob:
@@ -48,22 +50,21 @@ class StoreBatch:
 
 
 @dataclass
-class FetchItem:
-    """Read one stored object (kind: 0 KV block, 1 Mamba state) into a reserved host slot."""
-
-    kind: int
-    block_hash: bytes
-    slot: int
-
-
-@dataclass
 class StepPlan:
     """Everything the worker does for the connector in one engine step."""
 
     loads: list[LoadJob] = field(default_factory=list)
     kv_stores: StoreBatch = field(default_factory=StoreBatch)
     mamba_stores: StoreBatch = field(default_factory=StoreBatch)
-    fetches: list[FetchItem] = field(default_factory=list)
+    # Storage -> host fetches to start, and fetch ids to drop before anything else is done.
+    fetches: list[FetchOrder] = field(default_factory=list)
+    cancels: list[int] = field(default_factory=list)
+    # Storage key epoch for this step's write-through (changes when the cache is reset).
+    epoch: str = ""
+
+    def moves_bytes(self) -> bool:
+        """Whether the worker copies anything between its caches and the host tier this step."""
+        return bool(self.loads or self.kv_stores or self.mamba_stores)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.kv_stores or self.mamba_stores or self.fetches)
+        return not (self.moves_bytes() or self.fetches or self.cancels)

@@ -55,6 +55,26 @@ class HybridLayout:
         return int(kv_slots), int(mamba_slots)
 
 
+def _refuse_unsupported_parallelism(par: Any) -> None:
+    """Pipeline and context parallelism change what one block id means on one worker.
+
+    With PP each stage owns other layers, so slot sizes differ per stage while the scheduler sizes
+    the shared slot index from stage 0 (a larger stage would index past its pool, a stage without
+    attention has no KV at all); with DCP/PCP attention blocks are token-sharded across ranks and
+    the scheduler block is not the worker's. Until those are modelled, the connector stays inert.
+    """
+    for name, what in (
+        ("pipeline_parallel_size", "pipeline parallelism"),
+        ("decode_context_parallel_size", "decode context parallelism (DCP)"),
+        ("prefill_context_parallel_size", "prefill context parallelism (PCP)"),
+    ):
+        size = int(getattr(par, name, 1) or 1)
+        if size > 1:
+            raise UnsupportedLayout(
+                f"{what} ({name}={size}) is not supported yet; use tensor parallelism"
+            )
+
+
 def build_layout(vllm_config: Any, kv_cache_config: Any) -> HybridLayout:
     """Classify KV groups and check the model is one we can cache exactly.
 
@@ -65,6 +85,7 @@ def build_layout(vllm_config: Any, kv_cache_config: Any) -> HybridLayout:
 
     if kv_cache_config is None:
         raise UnsupportedLayout("no kv_cache_config was passed to the connector")
+    _refuse_unsupported_parallelism(vllm_config.parallel_config)
     attention: list[GroupLayout] = []
     mamba: list[GroupLayout] = []
     block_sizes: set[int] = set()

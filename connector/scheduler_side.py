@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from himamba.connector.config import HiMambaConfig
+from himamba.connector.fetch_protocol import FetchAck
 from himamba.connector.jobs import LoadJob, StepPlan
 from himamba.connector.layout import HybridLayout
-from himamba.connector.radix_tree import HybridRadixTree, LockHandle, MatchResult
 from himamba.connector.storage_plan import StoragePlanner
+from himamba.connector.tree import HybridRadixTree, LockHandle, MatchResult
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,12 @@ class SchedulerHalf:
     ) -> None:
         self.layout = layout
         self.config = config
-        self.tree = HybridRadixTree(kv_slots, mamba_slots)
-        # Tree nodes allowed before GPU-only marks of finished requests are dropped.
-        self._node_budget = 4 * (kv_slots + mamba_slots) + 1024
+        # Metadata budget: vLLM sends no GPU-eviction events and storage presence is learned
+        # from probes, so marks of either kind would accumulate forever; past this many nodes the
+        # tree drops its least recently used nodes that hold no host bytes.
+        self.tree = HybridRadixTree(
+            kv_slots, mamba_slots, max_nodes=4 * (kv_slots + mamba_slots) + 1024
+        )
         self.counters: dict[str, int] = defaultdict(int)
         self.storage = storage
         self._tracked: dict[str, _Tracked] = {}
@@ -86,49 +90,58 @@ class SchedulerHalf:
         return len(request.block_hashes) // self.layout.hashes_per_block
 
     # -- lookup ------------------------------------------------------------------
+    def _hittable(self, request: Any) -> tuple[list[bytes], int]:
+        """(block hashes, deepest boundary a hit may reach: never the last prompt token)."""
+        hashes = self.block_hashes(request)
+        return hashes, min(len(hashes), (request.num_tokens - 1) // self.layout.block_size)
+
+    def on_new_request(self, request: Any) -> None:
+        """Probe storage as soon as the request arrives, so its answer is usually back by the
+        request's first lookup (no extra engine step), unless the host already covers it."""
+        if self.storage is None:
+            return
+        hashes, max_blocks = self._hittable(request)
+        if max_blocks <= 0:
+            return
+        part = request_partition(request)
+        if self.tree.match(hashes, part, 0, max_blocks).host_num_blocks < max_blocks:
+            self.storage.begin(request.request_id, hashes[:max_blocks], part, request.num_tokens)
+
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         self._release_pending(req_id)
         bs = self.layout.block_size
         if num_computed_tokens % bs or req_id in self._no_hits:
             return 0, False
-        hashes = self.block_hashes(request)
-        max_blocks = min(len(hashes), (request.num_tokens - 1) // bs)
+        hashes, max_blocks = self._hittable(request)
         start = num_computed_tokens // bs
         if max_blocks <= start:
             return 0, False
         part = request_partition(request)
         if start:
             self.tree.mark_device(hashes, part, start, mamba=True)
-        storage = self.storage
-        if storage is not None and storage.probe(
-            req_id, hashes[:max_blocks], part, request.num_tokens
-        ):
-            return None, False
         self.counters["lookups"] += 1
         result = self.tree.match(hashes, part, start, max_blocks)
-        needs_fetch = bool(result.storage_blocks) or result.mamba_in_storage
-        if storage is not None and needs_fetch and result.num_blocks > result.host_num_blocks:
-            if not storage.fetching(req_id) and storage.start_fetch(
-                req_id, result, hashes, part, request.num_tokens
-            ):
+        storage = self.storage
+        if storage is not None and result.host_num_blocks < max_blocks:
+            if not storage.known(req_id):
+                storage.begin(req_id, hashes[:max_blocks], part, request.num_tokens)
+            if storage.must_wait(req_id, start, max_blocks):
                 return None, False
-            if storage.fetching(req_id):
-                return None, False
-        return self._promise(req_id, result, start, host_only=needs_fetch)
+            result = self.tree.match(hashes, part, start, max_blocks)
+        return self._promise(req_id, result, start)
 
-    def _promise(
-        self, req_id: str, result: MatchResult, start: int, host_only: bool
-    ) -> tuple[int, bool]:
-        num_blocks = result.host_num_blocks if host_only else result.num_blocks
+    def _promise(self, req_id: str, result: MatchResult, start: int) -> tuple[int, bool]:
+        """Promise the host-resident part of ``result`` (storage parts are fetched first)."""
+        num_blocks = result.host_num_blocks
         tokens = (num_blocks - start) * self.layout.block_size
         if num_blocks <= start or tokens < max(self.config.min_load_tokens, 1):
             self.counters["misses"] += 1
             return 0, False
-        handle = self.tree.lock(result, host_only=host_only)
+        handle = self.tree.lock(result, host_only=True)
         if handle is None:
             return 0, False
-        self._pending[req_id] = _Pending(result, handle, num_blocks, result.state_slot(host_only))
+        self._pending[req_id] = _Pending(result, handle, num_blocks, result.state_slot(True))
         return tokens, True
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -168,13 +181,14 @@ class SchedulerHalf:
         """(host tokens, storage tokens) of a request's external hit."""
         from_storage = 0
         if self.storage is not None:
-            from_storage = self.storage.storage_blocks.get(req_id, 0) * self.layout.block_size
+            from_storage = self.storage.storage_tokens(req_id, self.layout.block_size)
         from_storage = min(from_storage, num_external_tokens)
         return num_external_tokens - from_storage, from_storage
 
     # -- per step ------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
+        self.counters["steps"] += 1
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         if block_state is not None:
             finished = set(scheduler_output.finished_req_ids)
@@ -184,8 +198,8 @@ class SchedulerHalf:
         # step can load from (or overwrite) those slots, so order alone makes this safe.
         self.tree.complete_store(plan.kv_stores.slots, plan.mamba_stores.slots, ok=True)
         if self.storage is not None:
-            plan.fetches = self.storage.take_fetches()
-            self.storage.yield_to_io()
+            plan.fetches, plan.cancels = self.storage.step()
+            plan.epoch = self.storage.epoch
         return plan
 
     def _computed_before_step(self, scheduler_output: Any) -> dict[str, int]:
@@ -258,11 +272,10 @@ class SchedulerHalf:
         self,
         finished_recving: Sequence[str],
         failed_recving: Sequence[str],
-        fetch_acks: dict | None = None,
-        world_size: int = 1,
+        fetch_acks: Sequence[FetchAck] = (),
     ) -> None:
         if fetch_acks and self.storage is not None:
-            self.storage.on_acks(fetch_acks, world_size)
+            self.storage.on_acks(fetch_acks)
         failed = set(failed_recving or ())
         for req_id in finished_recving or ():
             handle = self._inflight.pop(req_id, None)
@@ -271,25 +284,46 @@ class SchedulerHalf:
             self.tree.unlock(handle)
             if req_id in failed:
                 self.counters["loads_failed"] += 1
-                self._no_hits.add(req_id)
+                # Never offer this request a hit again (no retry loop). vLLM may already have
+                # finished it (policy "fail", or an abort in the same step): then there is
+                # nothing to remember.
+                if req_id in self._tracked:
+                    self._no_hits.add(req_id)
 
     def on_finished(self, request: Any) -> None:
         req_id = request.request_id
         self._release_pending(req_id)
-        if self._tracked.pop(req_id, None) is not None and self.tree.num_nodes > self._node_budget:
-            # GPU marks are never cleared by vLLM (no eviction events reach a connector), so
-            # nodes kept alive only by them would grow without bound. Past a budget, the
-            # marks of finished requests go; chains fully on host (or storage) are untouched.
-            hashes = self.block_hashes(request)
-            if hashes:
-                self.tree.evict_device(hashes, request_partition(request), 0, None)
+        self._tracked.pop(req_id, None)
         self._no_hits.discard(req_id)
         if self.storage is not None:
             self.storage.forget(req_id)
 
+    def has_pending_work(self) -> bool:
+        """Storage fetches in flight are acknowledged only through engine steps."""
+        return self.storage is not None and self.storage.has_work()
+
     def reset(self) -> bool:
+        """Make everything cached so far unreachable (vLLM calls this after a weight update).
+
+        Promised hits are dropped, storage fetches are cancelled and the storage key epoch
+        changes, so neither the host tier nor storage serves pre-reset bytes afterwards. Loads
+        already sent to the workers cannot be called back: while any is unacknowledged the reset
+        reports False (vLLM's own reset fails then too), and the caller retries.
+        """
+        for req_id in list(self._pending):
+            self._release_pending(req_id)
+        if self.storage is not None:
+            self.storage.reset()
         self.tree.reset()
-        return True
+        self.counters["resets"] += 1
+        return not self._inflight
+
+    def drop_host_tier(self) -> None:
+        """Forget the CPU tier and every mark, but keep storage reachable (what a restart does):
+        the next request learns from storage again. Unlike ``reset`` nothing becomes stale."""
+        for req_id in list(self._pending):
+            self._release_pending(req_id)
+        self.tree.reset()
 
     def _release_pending(self, req_id: str) -> None:
         pending = self._pending.pop(req_id, None)
@@ -298,7 +332,7 @@ class SchedulerHalf:
 
     def leak_report(self) -> dict[str, int | bool]:
         """What is still held; all zero (and conserved) once the engine is idle."""
-        from himamba.connector.tree_invariants import check_invariants
+        from himamba.connector.tree import check_invariants
 
         try:
             check_invariants(self.tree)
@@ -306,21 +340,25 @@ class SchedulerHalf:
         except AssertionError as exc:
             logger.error("himamba: tree invariant broken: %s", exc)
             conserved = False
-        return {
+        report: dict[str, int | bool] = {
             "pending_hits": len(self._pending),
             "inflight_loads": len(self._inflight),
             "tracked_requests": len(self._tracked),
+            "no_hit_requests": len(self._no_hits),
             "locked_entries": len(self.tree.handles),
+            "pending_stores": self.tree.stats()["pending_stores"],
             "slots_conserved": conserved,
         }
+        if self.storage is not None:
+            report.update(self.storage.leak_report())
+        return report
 
     def stats(self) -> dict[str, int]:
         tree = self.tree.stats()
         out = {**self.counters, **tree}
-        out["host_kv_capacity"] = self.tree.kv_pool.capacity
-        out["host_mamba_capacity"] = self.tree.mamba_pool.capacity
         out["host_kv_evictions"] = tree.get("kv_evicted", 0) + tree.get("kv_cascaded", 0)
         out["host_mamba_evictions"] = tree.get("mamba_evicted", 0) + tree.get("mamba_cascaded", 0)
         if self.storage is not None:
             out.update(self.storage.pending())
+            out.update({f"fetch_{k}": v for k, v in self.storage.ledger.counters.items()})
         return out

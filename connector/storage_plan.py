@@ -1,219 +1,307 @@
-"""Scheduler-side storage logic: probe storage for a request, then prefetch storage -> CPU.
+"""Scheduler-side storage policy: probe storage for a request, then prefetch storage -> CPU.
 
-A request's first lookup submits one ``exists`` for every KV block key and every
-Mamba boundary key of its prompt. The answer is folded into the tree as storage
-presence (a contiguous KV prefix, states only where that prefix reaches). If the
-tree then offers a deeper hit than the host alone, host slots are reserved and
-the worker fetches the bytes; the hit becomes an ordinary host hit once every
-fetched KV block *and* the state at its boundary have arrived and validated.
-While that is pending the lookup answers None ("ask again"), bounded by the
-prefetch policy's deadline.
+Each request moves one way through PROBING -> FETCHING -> SETTLED (or straight to SETTLED), with
+one deadline fixed when it is first seen, so it can never wait for storage more than once or
+longer than its policy allows:
+
+- PROBING: one ``exists`` over the request's block keys, submitted as early as vLLM lets us
+  (``on_new_request``) and skipped when the host tier already covers the prompt. The lookup waits a
+  few milliseconds for the answer (a bounded budget per engine step), so a cold request normally
+  costs no extra engine step. Answers are folded into the tree as they arrive, at every step,
+  whether or not the request is looked up again, in one walk of its path.
+- FETCHING: host slots are reserved for the storage-only part of the deepest hit that fits,
+  with the request's path pinned so the reservation cannot evict the prefix being fetched. Bytes
+  move storage -> host on the workers (``fetch_protocol``); the hit becomes an ordinary host hit.
+- SETTLED: the request takes whatever the host tier has.
+
+``best_effort`` never waits; its probes and fetches still run and warm the host tier for later
+requests. A wait that hits its deadline tells the store (``report_slow``), so storage that is
+alive but too slow opens the breaker instead of delaying every request.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
 import math
 import time
+import uuid
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from himamba.connector.jobs import FetchItem
+from himamba.connector.fetch_protocol import (
+    FetchAck,
+    FetchItem,
+    FetchLedger,
+    FetchOrder,
+    FetchOutcome,
+)
 from himamba.tiers.object_format import ObjectKind, StorageKey
 from himamba.tiers.storage_config import StorageConfig, prefetch_deadline_s
 
+logger = logging.getLogger(__name__)
+
 KV, MAMBA = int(ObjectKind.KV), int(ObjectKind.MAMBA)
-YIELD_S = 0.0005
+# A fetch whose acknowledgements have not all arrived this long after its last possible
+# completion is given up (a rank died or an acknowledgement was lost): its slots are reclaimed.
+ACK_GRACE_S = 5.0
+
+
+class Phase(enum.Enum):
+    PROBING = "probing"
+    FETCHING = "fetching"
+    SETTLED = "settled"
 
 
 @dataclass
-class _Probe:
-    task_id: int
-    deadline: float
+class _Request:
     hashes: list[bytes]
     partition: Hashable
+    deadline: float  # monotonic; fixed when the request is first seen
+    waits: bool  # False for best_effort, and once a wait timed out
+    phase: Phase = Phase.PROBING
+    probe_task: int | None = None
+    fetch_id: int | None = None
+    storage_blocks: int = 0  # blocks of its hit that came from storage (hit-source metrics)
 
 
 @dataclass
 class _Fetch:
-    deadline: float
-    outstanding: set[tuple[int, int]] = field(default_factory=set)
-    failed: bool = False
-    num_blocks: int = 0
+    req_id: str
+    # Cancel the fetch when this request finishes: it was fetched for the request's own wait.
+    # Background fetches (best_effort, or a wait that timed out) warm the host for later ones.
+    tied_to_request: bool
+    pin: Any  # LockHandle over the fetched path
+    hashes: Sequence[bytes]
+    partition: Hashable
+    # Block index each item belongs to (KV: its block; Mamba: the last block before its boundary).
+    indexes: list[int]
+    num_kv: int
 
 
 class StoragePlanner:
-    def __init__(self, cfg: StorageConfig, store: Any, tree: Any, counters: dict) -> None:
+    def __init__(
+        self,
+        cfg: StorageConfig,
+        store: Any,
+        tree: Any,
+        counters: dict,
+        world_size: int = 1,
+    ) -> None:
         self.cfg = cfg
         self.store = store
         self.tree = tree
         self.counters = counters
-        self._probes: dict[str, _Probe] = {}
-        self._probed: set[str] = set()
-        self._fetches: dict[str, _Fetch] = {}
-        self._owner: dict[tuple[int, int], tuple[str, Sequence[bytes], Hashable, int]] = {}
-        self._results: dict[int, Any] = {}
-        self.fetch_queue: list[FetchItem] = []
-        # Tokens of each request's hit that came through storage (for hit-source metrics).
-        self.storage_blocks: dict[str, int] = {}
+        self.ledger = FetchLedger(world_size, self._settle_fetch)
+        self._requests: dict[str, _Request] = {}
+        self._probe_owner: dict[int, str] = {}
+        self._fetches: dict[int, _Fetch] = {}
+        self._probe_wait_s = cfg.probe_wait_ms / 1000
+        self._wait_budget = self._probe_wait_s
+        # Storage keys carry an epoch so that a reset (new weights) makes every older object
+        # unreachable, here and in another process that reset too; "" = since start-up.
+        self.epoch = ""
 
-    # -- probing -------------------------------------------------------------------
-    def probe(self, req_id: str, hashes: list[bytes], partition: Hashable, num_tokens: int) -> bool:
-        """True while the request should wait for storage (answer None)."""
-        self._drain()
-        if req_id in self._probed:
-            return self._fetch_pending(req_id)
-        probe = self._probes.get(req_id)
-        if probe is None:
-            keys = [StorageKey(h, ObjectKind.KV) for h in hashes]
-            keys += [StorageKey(h, ObjectKind.MAMBA) for h in hashes]
-            wait, deadline = self._deadline(num_tokens)
-            tid = self.store.submit_exists(keys)
-            self._probes[req_id] = _Probe(tid, deadline, hashes, partition)
-            self.counters["storage_probes"] += 1
-            return wait > 0
-        result = self._results.pop(probe.task_id, None)
-        if result is None:
-            if time.monotonic() < probe.deadline:
-                return True
-            self.counters["storage_probe_timeouts"] += 1
-            self._settle_probe(req_id)
+    # -- request life cycle ------------------------------------------------------------
+    def begin(self, req_id: str, hashes: list[bytes], partition: Hashable, num_tokens: int) -> None:
+        """Start the request's probe now (idempotent)."""
+        if req_id in self._requests or not hashes:
+            return
+        wait = prefetch_deadline_s(self.cfg, num_tokens)
+        deadline = time.monotonic() + (wait if math.isfinite(wait) else 3600.0)
+        st = _Request(list(hashes), partition, deadline, waits=wait > 0)
+        keys = [StorageKey(h, ObjectKind.KV, self.epoch) for h in hashes]
+        keys += [StorageKey(h, ObjectKind.MAMBA, self.epoch) for h in hashes]
+        st.probe_task = self.store.submit_exists(keys)
+        self._probe_owner[st.probe_task] = req_id
+        self._requests[req_id] = st
+        self.counters["storage_probes"] += 1
+
+    def known(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def must_wait(self, req_id: str, start_block: int, max_blocks: int) -> bool:
+        """True while the request should be asked again later (vLLM's ``None`` answer)."""
+        st = self._requests.get(req_id)
+        if st is None:
             return False
-        self._apply_exists(probe, result)
-        self._settle_probe(req_id)
+        self._drain()
+        if st.phase is Phase.PROBING and st.waits and self._wait_budget > 0:
+            self._wait_for_probe(st)
+        if st.phase is Phase.SETTLED or not st.waits:
+            return False
+        if time.monotonic() < st.deadline:
+            return True
+        self.counters[f"storage_{st.phase.value}_timeouts"] += 1
+        self.store.report_slow(f"a request waited past its prefetch deadline ({st.phase.value})")
+        st.waits = False  # the work goes on in the background; this request goes ahead
+        if st.fetch_id is not None and st.fetch_id in self._fetches:
+            self._fetches[st.fetch_id].tied_to_request = False
         return False
 
-    def _deadline(self, num_tokens: int) -> tuple[float, float]:
-        """(policy wait in s, monotonic deadline); wait_complete's infinite wait is capped
-        at an hour so a lost completion can never park a request forever."""
-        wait = prefetch_deadline_s(self.cfg, num_tokens)
-        return wait, time.monotonic() + (wait if math.isfinite(wait) else 3600.0)
+    def _wait_for_probe(self, st: _Request) -> None:
+        assert st.probe_task is not None
+        started = time.monotonic()
+        res = self.store.wait(st.probe_task, self._wait_budget)
+        self._wait_budget -= time.monotonic() - started
+        if res is not None:
+            self._on_probe_answer(res)
 
-    def _settle_probe(self, req_id: str) -> None:
-        self._probes.pop(req_id, None)
-        self._probed.add(req_id)
-
-    def _apply_exists(self, probe: _Probe, result: Any) -> None:
-        n = len(probe.hashes)
-        if result.error is not None or len(result.ok) != 2 * n:
+    def forget(self, req_id: str) -> None:
+        """The request finished (or was aborted): its pending fetch is of no use to anyone
+        waiting, so it is cancelled now rather than left holding slots."""
+        st = self._requests.pop(req_id, None)
+        if st is None:
             return
-        kv_ok, mamba_ok = result.ok[:n], result.ok[n:]
+        if st.probe_task is not None:
+            self._probe_owner.pop(st.probe_task, None)
+        ctx = None if st.fetch_id is None else self._fetches.get(st.fetch_id)
+        if ctx is not None and ctx.tied_to_request:
+            self.ledger.abandon(st.fetch_id)  # type: ignore[arg-type]
+
+    def storage_tokens(self, req_id: str, block_size: int) -> int:
+        st = self._requests.get(req_id)
+        return 0 if st is None else st.storage_blocks * block_size
+
+    # -- per step ----------------------------------------------------------------------
+    def step(self) -> tuple[list[FetchOrder], list[int]]:
+        """Once per engine step: fold in answers, reclaim overdue fetches, hand out the outbox."""
+        self._wait_budget = self._probe_wait_s
+        self._drain()
+        self.ledger.expire(time.monotonic())
+        return self.ledger.take_outbox()
+
+    def on_acks(self, acks: Sequence[FetchAck]) -> None:
+        self.ledger.on_acks(acks)
+
+    def has_work(self) -> bool:
+        """Fetches in flight need engine steps to be acknowledged (vLLM: has_pending_push_work)."""
+        return len(self.ledger) > 0
+
+    def reset(self) -> None:
+        """New weights (or an explicit reset): nothing stored so far may be served any more."""
+        self.epoch = "r" + uuid.uuid4().hex[:16]
+        self.ledger.abandon_all()
+        self._probe_owner.clear()
+        for st in self._requests.values():
+            st.phase, st.waits, st.probe_task, st.fetch_id = Phase.SETTLED, False, None, None
+        logger.info("himamba: storage epoch reset; older objects are unreachable")
+
+    # -- probe answers ---------------------------------------------------------------------
+    def _drain(self) -> None:
+        for res in self.store.poll():
+            self._on_probe_answer(res)
+
+    def _on_probe_answer(self, res: Any) -> None:
+        req_id = self._probe_owner.pop(res.task_id, None)
+        st = None if req_id is None else self._requests.get(req_id)
+        if st is None or st.probe_task != res.task_id:
+            return  # the request is gone, or the answer predates a reset
+        st.probe_task = None
+        st.phase = Phase.SETTLED
+        n = len(st.hashes)
+        if res.error is not None or len(res.ok) != 2 * n:
+            return
+        kv_ok, mamba_ok = res.ok[:n], res.ok[n:]
         prefix = 0
         while prefix < n and kv_ok[prefix]:
             prefix += 1
-        if prefix:
-            self.tree.mark_storage(probe.hashes, probe.partition, prefix)
-        for b in range(1, prefix + 1):
-            if mamba_ok[b - 1]:
-                self.tree.mark_storage(probe.hashes, probe.partition, b, mamba=True)
+        if not prefix:
+            return
+        ends = [b for b in range(1, prefix + 1) if mamba_ok[b - 1]]
+        self.tree.mark_storage(st.hashes, st.partition, prefix, ends)
         self.counters["storage_blocks_seen"] += prefix
+        if ends and self._start_fetch(req_id, st):
+            st.phase = Phase.FETCHING
 
-    # -- fetching ----------------------------------------------------------------------
-    def start_fetch(
-        self, req_id: str, result: Any, hashes: Sequence[bytes], partition: Hashable, tokens: int
-    ) -> bool:
-        """Reserve host slots for the storage-only part of ``result``; False if impossible."""
-        # (kind, slot, block index the object belongs to)
-        planned: list[tuple[int, int, int]] = []
-        for i in result.storage_blocks:
-            slot = self.tree.reserve_kv(hashes, partition, i, from_device=False)
+    # -- fetches -------------------------------------------------------------------------
+    def _start_fetch(self, req_id: str, st: _Request) -> bool:
+        """Reserve host slots for the storage-only part of the deepest hit that fits."""
+        res = self.tree.match(st.hashes, st.partition, 0, len(st.hashes))
+        if res.num_blocks <= res.host_num_blocks:
+            return False
+        tree, hashes, part = self.tree, st.hashes, st.partition
+        pin = tree.pin(hashes, part, res.num_blocks)
+        reserved: list[tuple[int, int]] = []  # (block index, slot), ascending
+        for i in res.storage_blocks:
+            slot = tree.reserve_kv(hashes, part, i, from_device=False)
             if slot is None:
                 break
-            planned.append((KV, slot, i))
-        num_kv = len(planned)
-        if num_kv == len(result.storage_blocks) and result.mamba_in_storage:
-            n = result.num_blocks
-            slot = self.tree.reserve_mamba(hashes, partition, n, from_device=False)
-            if slot is not None:
-                planned.append((MAMBA, slot, n - 1))
-        if len(planned) != len(result.storage_blocks) + int(bool(result.mamba_in_storage)):
-            self.tree.complete_store(
-                [s for k, s, _ in planned if k == KV],
-                [s for k, s, _ in planned if k == MAMBA],
-                False,
-            )
+            reserved.append((i, slot))
+        # Blocks below `reach` are on host or reserved: any boundary up to it is fetchable.
+        reach = res.num_blocks
+        if len(reserved) < len(res.storage_blocks):
+            reach = res.storage_blocks[len(reserved)]
+        target, mamba_slot = 0, None
+        for end, on_host in reversed(res.boundaries):
+            if end > reach or end <= res.host_num_blocks:
+                continue
+            if on_host:
+                target = end
+                break
+            mamba_slot = tree.reserve_mamba(hashes, part, end, from_device=False)
+            if mamba_slot is not None:
+                target = end
+                break
+        keep = [(i, s) for i, s in reserved if i < target]
+        tree.complete_store([s for i, s in reserved if i >= target], [], ok=False)
+        if not target:
+            tree.unlock(pin)
             self.counters["storage_fetch_no_space"] += 1
             return False
-        _, deadline = self._deadline(tokens)
-        self._fetches[req_id] = _Fetch(deadline, {(k, s) for k, s, _ in planned}, num_blocks=num_kv)
-        for kind, slot, index in planned:
-            self._owner[(kind, slot)] = (req_id, hashes, partition, index)
-            self.fetch_queue.append(FetchItem(kind, hashes[index], slot))
-        self.storage_blocks[req_id] = num_kv
+        if target != res.num_blocks:
+            narrower = tree.pin(hashes, part, target)
+            tree.unlock(pin)
+            pin = narrower
+            self.counters["storage_fetch_shortened"] += 1
+        items = [FetchItem(KV, hashes[i], s) for i, s in keep]
+        indexes = [i for i, _ in keep]
+        if mamba_slot is not None:
+            items.append(FetchItem(MAMBA, hashes[target - 1], mamba_slot))
+            indexes.append(target - 1)
+        # Every storage op ends by its deadline, so all acknowledgements are due by then.
+        expires = time.monotonic() + 2 * self.cfg.op_deadline_s + ACK_GRACE_S
+        fid = self.ledger.open(items, expires, self.epoch)
+        self._fetches[fid] = _Fetch(req_id, st.waits, pin, hashes, part, indexes, len(keep))
+        st.fetch_id = fid
         self.counters["storage_fetches"] += 1
         return True
 
-    def _fetch_pending(self, req_id: str) -> bool:
-        fetch = self._fetches.get(req_id)
-        if fetch is None:
-            return False
-        if not fetch.outstanding:
-            self._fetches.pop(req_id, None)
-            if fetch.failed:
-                self.storage_blocks.pop(req_id, None)
-            return False
-        if time.monotonic() >= fetch.deadline:
-            # Give up waiting; the fetch still lands in the host tier for later requests.
-            self._fetches.pop(req_id, None)
-            self.storage_blocks.pop(req_id, None)
-            self.counters["storage_fetch_timeouts"] += 1
-            return False
-        return True
-
-    def fetching(self, req_id: str) -> bool:
-        return req_id in self._fetches
-
-    def on_acks(self, acks: dict[tuple[int, int], list[int]], world_size: int) -> None:
-        """Worker reports: (kind, slot) -> [ok workers, failed workers]."""
-        for (kind, slot), (ok_n, bad_n) in acks.items():
-            owner = self._owner.pop((kind, slot), None)
-            ok = bad_n == 0 and ok_n >= world_size
-            if kind == KV:
-                self.tree.complete_store([slot], [], ok=ok)
+    def _settle_fetch(self, order: FetchOrder, ok: list[bool], outcome: FetchOutcome) -> None:
+        ctx = self._fetches.pop(order.fetch_id)
+        for item, good, index in zip(order.items, ok, ctx.indexes, strict=True):
+            if item.kind == KV:
+                self.tree.complete_store([item.slot], [], ok=good)
             else:
-                self.tree.complete_store([], [slot], ok=ok)
-            self.counters["storage_fetched" if ok else "storage_fetch_failed"] += 1
-            if owner is None:
-                continue
-            req_id, hashes, partition, index = owner
-            if not ok:
-                # Storage said yes but the bytes were missing or invalid: forget them (and,
-                # conservatively, everything stored after them on this path).
-                self.tree.evict_storage(hashes, partition, index, None)
-            fetch = self._fetches.get(req_id)
-            if fetch is not None:
-                fetch.outstanding.discard((kind, slot))
-                fetch.failed |= not ok
+                self.tree.complete_store([], [item.slot], ok=good)
+            if outcome is FetchOutcome.DONE:
+                self.counters["storage_fetched" if good else "storage_fetch_failed"] += 1
+                if not good:
+                    # Storage said yes but the bytes were missing or invalid on some rank:
+                    # forget them (and, conservatively, everything stored after them).
+                    self.tree.evict_storage(ctx.hashes, ctx.partition, index, None)
+        self.tree.unlock(ctx.pin)
+        if outcome is FetchOutcome.ABANDONED:
+            self.counters["storage_fetches_abandoned"] += 1
+        st = self._requests.get(ctx.req_id)
+        if st is not None and st.fetch_id == order.fetch_id:
+            st.fetch_id = None
+            st.phase = Phase.SETTLED
+            if outcome is FetchOutcome.DONE and all(ok):
+                st.storage_blocks = ctx.num_kv
 
-    # -- housekeeping ---------------------------------------------------------------------
-    def _drain(self) -> None:
-        active = {p.task_id for p in self._probes.values()}
-        for res in self.store.poll():
-            if res.task_id in active:
-                self._results[res.task_id] = res
-
-    def forget(self, req_id: str) -> None:
-        probe = self._probes.pop(req_id, None)
-        if probe is not None:
-            self._results.pop(probe.task_id, None)
-        self._probed.discard(req_id)
-        self._fetches.pop(req_id, None)
-        self.storage_blocks.pop(req_id, None)
-
-    def take_fetches(self) -> list[FetchItem]:
-        items, self.fetch_queue = self.fetch_queue, []
-        return items
-
-    def yield_to_io(self) -> None:
-        """While requests wait on storage, vLLM spins empty steps that hold the GIL the
-        store's threads need to finish the very probes and fetches being waited on; a short
-        sleep per waiting step hands it over (A/B in docs/BENCHMARKS.md: storage hits
-        10-25% faster on a quiet box)."""
-        if self._probes or self._fetches:
-            time.sleep(YIELD_S)
-
+    # -- introspection ---------------------------------------------------------------------
     def pending(self) -> dict[str, int]:
         return {
-            "storage_probes_pending": len(self._probes),
-            "storage_fetches_pending": len(self._fetches),
+            "storage_probes_pending": len(self._probe_owner),
+            "storage_fetches_pending": len(self.ledger),
+        }
+
+    def leak_report(self) -> dict[str, int]:
+        return {
+            "storage_requests": len(self._requests),
+            "storage_probes_pending": len(self._probe_owner),
+            "storage_fetches_open": len(self.ledger),
+            "storage_fetch_slots_held": self.ledger.held_slots(),
         }

@@ -27,7 +27,17 @@ def storage_config(raw: dict[str, Any] | None) -> StorageConfig | None:
         raise ValueError(f"himamba: {exc}") from None
 
 
-def storage_namespace(vllm_config: Any, layout: HybridLayout, tp_rank: int) -> Namespace:
+def storage_namespace(
+    vllm_config: Any, layout: HybridLayout, tp_rank: int, cfg: StorageConfig | None = None
+) -> Namespace:
+    """Model *weights* identity + layout (+ this worker's TP rank): see weights_identity."""
+    from himamba.connector.weights_identity import weights_identity
+
+    identity = weights_identity(
+        vllm_config,
+        mode=getattr(cfg, "weights_fingerprint", "sampled"),
+        weights_id=getattr(cfg, "weights_id", None),
+    )
     par = vllm_config.parallel_config
     algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256")
     fingerprint = LayoutFingerprint(
@@ -41,7 +51,7 @@ def storage_namespace(vllm_config: Any, layout: HybridLayout, tp_rank: int) -> N
         tp_size=par.tensor_parallel_size,
         kernel_layout=str(layout.hash_block_size),
     )
-    return Namespace(model=str(vllm_config.model_config.model), layout=fingerprint)
+    return Namespace(model=identity, layout=fingerprint)
 
 
 def open_store(cfg: StorageConfig, namespace: Namespace) -> Any:

@@ -20,12 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from himamba.connector.config import HiMambaConfig
 from himamba.connector.jobs import StepPlan
 from himamba.connector.layout import HybridLayout, UnsupportedLayout, build_layout
+from himamba.connector.ranks import worker_rank
 from himamba.connector.scheduler_side import SchedulerHalf
 from himamba.connector.stats import HiMambaStats
 from himamba.connector.storage_plan import StoragePlanner
 from himamba.connector.storage_setup import open_store, storage_config, storage_namespace
 from himamba.connector.worker_meta import HiMambaWorkerMeta
 from himamba.connector.worker_side import WorkerHalf
+from himamba.connector.worker_storage import WorkerStorage
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,6 +38,27 @@ try:  # vLLM >= 0.32 splits external hits by tier for metrics.
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - older vLLM
     CacheHitSource = None  # type: ignore[assignment,misc]
+
+
+def adapt_load_failure_policy(vllm_config: Any, config: HiMambaConfig) -> None:
+    """vLLM's default ``kv_load_failure_policy="fail"`` turns a failed cache load into a failed
+    user request. A cache that cannot deliver must cost a recompute, never a request, so the
+    policy is switched to ``recompute`` (vLLM's scheduler reads it right after creating this
+    connector) unless the operator asked to keep ``fail`` (``respect_fail_policy``)."""
+    ktc = vllm_config.kv_transfer_config
+    if getattr(ktc, "kv_load_failure_policy", "recompute") != "fail":
+        return
+    if config.respect_fail_policy:
+        logger.warning(
+            "himamba: kv_load_failure_policy='fail': a failed cache load fails the request "
+            "(respect_fail_policy is set); 'recompute' would recompute it instead"
+        )
+        return
+    ktc.kv_load_failure_policy = "recompute"
+    logger.warning(
+        "himamba: kv_load_failure_policy 'fail' -> 'recompute': a failed cache load now "
+        "recomputes the request instead of failing it (set respect_fail_policy to keep 'fail')"
+    )
 
 
 @dataclass
@@ -67,41 +90,38 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             self.layout = build_layout(vllm_config, kv_cache_config)
         except UnsupportedLayout as exc:
-            logger.warning("himamba: caching disabled for this model: %s", exc)
+            # One warning per engine (the scheduler role); every worker would repeat it.
+            log = logger.warning if role == KVConnectorRole.SCHEDULER else logger.debug
+            log("himamba: caching disabled (connector inert) for this model: %s", exc)
             return
         kv_slots, mamba_slots = self.layout.slot_counts(
             self.config.cpu_cache_bytes, self.config.mamba_cache_fraction
         )
         scfg = self.storage_config
         if role == KVConnectorRole.SCHEDULER:
+            adapt_load_failure_policy(vllm_config, self.config)
             self.scheduler = SchedulerHalf(self.layout, self.config, kv_slots, mamba_slots)
             if scfg is not None:
-                store = open_store(scfg, storage_namespace(vllm_config, self.layout, 0))
+                # The scheduler probes rank 0's keys: a shard missing on another rank fails
+                # that fetch on that rank, which the ledger turns into a rolled-back fetch.
+                store = open_store(scfg, storage_namespace(vllm_config, self.layout, 0, scfg))
                 self.scheduler.storage = StoragePlanner(
-                    scfg, store, self.scheduler.tree, self.scheduler.counters
+                    scfg, store, self.scheduler.tree, self.scheduler.counters, self._world_size
                 )
         else:
             opener = None
             if scfg is not None:
-                opener = self._storage_opener(vllm_config, scfg)
+                opener = self._storage_opener(vllm_config, scfg, worker_rank())
             self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots, opener)
 
-    def _storage_opener(self, vllm_config: Any, scfg: Any) -> Any:
-        from himamba.tiers.storage_worker import StorageWorker
-
+    def _storage_opener(self, vllm_config: Any, scfg: Any, rank: int) -> Any:
         layout = self.layout
         assert layout is not None
 
-        def opener(pools: dict) -> StorageWorker:
-            try:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-                rank = get_tensor_model_parallel_rank()
-            except Exception:  # noqa: BLE001 - no TP group (single worker)
-                rank = 0
-            store = open_store(scfg, storage_namespace(vllm_config, layout, rank))
+        def opener(pools: dict) -> WorkerStorage:
+            store = open_store(scfg, storage_namespace(vllm_config, layout, rank, scfg))
             capacity = None if scfg.capacity_gb is None else int(scfg.capacity_gb * (1 << 30))
-            return StorageWorker(store, pools, capacity, scfg.write_through)
+            return WorkerStorage(store, pools, rank, capacity, scfg.write_through)
 
         return opener
 
@@ -127,16 +147,24 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             return HiMambaMetadata()
         return HiMambaMetadata(plan=self.scheduler.build_plan(scheduler_output))
 
+    def on_new_request(self, request: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
+
     def update_connector_output(self, connector_output: Any) -> None:
         if self.scheduler is not None:
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
-            acks = meta.fetch_acks if isinstance(meta, HiMambaWorkerMeta) else None
+            acks = meta.fetch_acks if isinstance(meta, HiMambaWorkerMeta) else ()
             self.scheduler.on_output(
                 connector_output.finished_recving or (),
                 getattr(connector_output, "failed_recving", None) or (),
                 acks,
-                self._world_size,
             )
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine stepping while storage fetches are in flight, so they are
+        # acknowledged (or reclaimed) instead of holding host slots while the engine is idle.
+        return self.scheduler is not None and self.scheduler.has_pending_work()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         if self.scheduler is not None:
@@ -149,9 +177,16 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, [])
 
     def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, called after weight updates:
+        every tier, storage included, stops serving what was cached before."""
         if self.scheduler is not None:
             return self.scheduler.reset()
         return True
+
+    def drop_host_tier(self) -> None:
+        """Scheduler role: empty the CPU tier but keep storage reachable, as a restart would."""
+        if self.scheduler is not None:
+            self.scheduler.drop_host_tier()
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
         if not num_external_tokens or CacheHitSource is None or self.scheduler is None:
@@ -218,6 +253,14 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         return HiMambaStats(data=dict(data or {}))
 
     # -- introspection (tests, demo) ---------------------------------------------------
+    def leak_report(self) -> dict[str, Any]:
+        """What this role still holds per request or per object (all zero once idle)."""
+        if self.scheduler is not None:
+            return self.scheduler.leak_report()
+        if self.worker is not None:
+            return self.worker.leak_report()
+        return {}
+
     def stats(self) -> dict[str, Any]:
         if self.scheduler is not None:
             return self.scheduler.stats()

@@ -1,4 +1,4 @@
-"""What workers tell the scheduler half each step, merged across TP/PP workers by vLLM."""
+"""What workers tell the scheduler half each step, merged across TP workers by vLLM."""
 
 from __future__ import annotations
 
@@ -6,17 +6,15 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from himamba.connector.fetch_protocol import FetchAck
+
 
 @dataclass
 class HiMambaWorkerMeta(KVConnectorWorkerMetadata):
-    # (kind, host slot) -> [workers whose fetch succeeded, workers whose fetch failed]
-    fetch_acks: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    # One entry per (fetch, rank) that finished on a worker this step. vLLM merges workers' metadata
+    # per step only; the scheduler's FetchLedger accumulates them across steps.
+    fetch_acks: list[FetchAck] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> HiMambaWorkerMeta:
         assert isinstance(other, HiMambaWorkerMeta)
-        merged = {k: list(v) for k, v in self.fetch_acks.items()}
-        for key, (ok, bad) in other.fetch_acks.items():
-            counts = merged.setdefault(key, [0, 0])
-            counts[0] += ok
-            counts[1] += bad
-        return HiMambaWorkerMeta(merged)
+        return HiMambaWorkerMeta([*self.fetch_acks, *other.fetch_acks])

@@ -17,13 +17,16 @@ import torch
 
 from himamba.connector.jobs import LoadJob, StepPlan, StoreBatch
 from himamba.connector.layout import GroupLayout, HybridLayout
+from himamba.connector.worker_storage import WorkerStorage
 from himamba.mamba_state.snapshot import NULL_BLOCK, MambaSnapshotter
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.object_format import ObjectKind
-from himamba.tiers.storage_worker import StorageWorker
 from himamba.tiers.transfer import LayerBlocks, device_to_host, host_to_device
 
 KV, MAMBA = int(ObjectKind.KV), int(ObjectKind.MAMBA)
+# An engine step that moves no bytes while storage fetches are outstanding sleeps this long, so
+# the store's threads get the GIL to finish the very fetches the engine is spinning on.
+IDLE_YIELD_S = 0.0005
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +37,11 @@ class WorkerHalf:
         layout: HybridLayout,
         kv_slots: int,
         mamba_slots: int,
-        open_storage: Callable[[dict[int, HostSlotPool]], StorageWorker] | None = None,
+        open_storage: Callable[[dict[int, HostSlotPool]], WorkerStorage] | None = None,
     ) -> None:
         self.layout = layout
         self._open_storage = open_storage
-        self.storage: StorageWorker | None = None
+        self.storage: WorkerStorage | None = None
         self.kv_slots = kv_slots
         self.mamba_slots = mamba_slots
         self.kv_layers: list[LayerBlocks] = []
@@ -46,6 +49,7 @@ class WorkerHalf:
         self.mamba: MambaSnapshotter | None = None
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        self._idle_step = False
         self.counters: dict[str, float] = {
             "bytes_loaded": 0,
             "bytes_stored": 0,
@@ -103,7 +107,10 @@ class WorkerHalf:
 
     # -- per step --------------------------------------------------------------
     def run_loads(self, plan: StepPlan) -> None:
-        if self.storage is not None and plan.fetches:
+        self._idle_step = not plan.moves_bytes()
+        if self.storage is not None:
+            # Cancels first: the scheduler may reuse a cancelled fetch's slots in this very plan.
+            self.storage.cancel(plan.cancels)
             self.storage.fetch(plan.fetches)
         for job in plan.loads:
             start = time.perf_counter()
@@ -147,14 +154,15 @@ class WorkerHalf:
             moved += self.mamba.snapshot(plan.mamba_stores.blocks, plan.mamba_stores.slots)
         self.counters["bytes_stored"] += moved
         if self.storage is not None:
-            self.storage.write_through_slots(KV, plan.kv_stores.slots, plan.kv_stores.hashes)
-            self.storage.write_through_slots(
-                MAMBA, plan.mamba_stores.slots, plan.mamba_stores.hashes
-            )
+            stores = ((KV, plan.kv_stores), (MAMBA, plan.mamba_stores))
+            for kind, batch in stores:
+                self.storage.write_through_slots(kind, batch.slots, batch.hashes, plan.epoch)
         self.counters["store_seconds"] += time.perf_counter() - start
 
     def take_results(self) -> tuple[set[str], set[str]]:
         if self.storage is not None:
+            if self._idle_step and self.storage.outstanding():
+                time.sleep(IDLE_YIELD_S)
             self.storage.poll()
         finished, failed = self._finished, self._failed
         self._finished, self._failed = set(), set()
@@ -177,6 +185,12 @@ class WorkerHalf:
     def _check_slots(slots: list[int], capacity: int) -> None:
         if any(not 0 <= s < capacity for s in slots):
             raise ValueError(f"slot out of range in {slots} (capacity {capacity})")
+
+    def leak_report(self) -> dict[str, int]:
+        report = {"unreported_loads": len(self._finished)}
+        if self.storage is not None:
+            report.update(self.storage.leak_report())
+        return report
 
     def all_counters(self) -> dict[str, float]:
         out = dict(self.counters)

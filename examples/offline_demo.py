@@ -106,7 +106,8 @@ def main() -> int:
     llm.reset_prefix_cache()
     runs.append(serve("3. repeat after GPU reset"))
     worker.worker.storage.flush(10.0)  # let write-through land
-    llm.reset_prefix_cache(reset_connector=True)  # drop the device cache AND the CPU tier
+    llm.reset_prefix_cache()  # drop the device cache ...
+    connector.drop_host_tier()  # ... and the CPU tier; storage stays (as after a restart)
     runs.append(serve("4. after GPU+CPU reset"))
     stats = connector.stats()
     wstats = worker.stats()

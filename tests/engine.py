@@ -12,13 +12,20 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
-def run_scenario(name: str, args: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+def run_scenario(
+    name: str, args: dict[str, Any], timeout: float = 600, faults: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``faults``: patches applied in every process of the scenario (tests/faults)."""
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    if faults:
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE / "faults"), str(HERE)])
+        env["HIMAMBA_TEST_FAULTS"] = json.dumps(faults)
     proc = subprocess.run(
         [sys.executable, str(HERE / "scenarios.py"), name, json.dumps(args)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(HERE)},
+        env=env,
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

@@ -30,6 +30,9 @@ for _k, _v in {
 
 CONNECTOR = "HiMambaConnector"
 MODULE = "himamba.connector"
+# The scheduler block size of the last engine built: vLLM derives it at start-up from page sizes
+# (it differs between machines and package versions), so every RESULT carries it for the tests.
+ENGINE: dict[str, int] = {}
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -51,15 +54,22 @@ def make_llm(args: dict[str, Any], extra: dict[str, Any] | None) -> Any:
         enable_prefix_caching=True,
         seed=0,
     )
+    if args.get("tp", 1) > 1:
+        # Workers in spawned processes; the engine core stays in this process.
+        kw["tensor_parallel_size"] = args["tp"]
+        kw["distributed_executor_backend"] = "mp"
     if extra is not None:
+        policy = {"kv_load_failure_policy": args["policy"]} if "policy" in args else {}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector=CONNECTOR,
             kv_connector_module_path=MODULE,
             kv_role="kv_both",
-            kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra,
+            **policy,
         )
-    return LLM(**kw)
+    llm = LLM(**kw)
+    ENGINE["block_size"] = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    return llm
 
 
 def close_llm(llm: Any) -> None:
@@ -82,22 +92,37 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = 16) -> list[d
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     elapsed = time.perf_counter() - start
     return [
-        {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens, "s": elapsed}
+        {
+            "tokens": list(o.outputs[0].token_ids),
+            "cached": o.num_cached_tokens,
+            "finish": o.outputs[0].finish_reason,
+            "s": elapsed,
+        }
         for o in outs
     ]
 
 
 def connectors(llm: Any) -> tuple[Any, Any]:
-    """(scheduler-role, worker-role) connector objects of an in-process engine."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+    """(scheduler-role, worker-role) connector objects of an in-process engine; the worker is
+    None when workers run in their own processes (TP)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
 
     core = llm.llm_engine.engine_core.engine_core
-    return core.scheduler.connector, get_kv_transfer_group()
+    return core.scheduler.connector, get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def drop_host_tier(llm: Any) -> None:
+    """GPU cache and CPU tier emptied, storage kept: the next hit can only come from storage."""
+    llm.reset_prefix_cache()
+    connectors(llm)[0].drop_host_tier()
 
 
 def leak_report(llm: Any) -> dict[str, Any]:
     sched, _ = connectors(llm)
-    return sched.scheduler.leak_report()
+    return sched.leak_report()
 
 
 # -- scenarios -------------------------------------------------------------------------
@@ -160,18 +185,33 @@ def load_failure(args: dict[str, Any]) -> dict[str, Any]:
     p = args["prompts"][0]
     cold = generate(llm, [p])[0]
     llm.reset_prefix_cache()
-    retry = generate(llm, [p])[0]
+    try:
+        retry: dict[str, Any] = generate(llm, [p])[0]
+    except Exception as exc:  # noqa: BLE001 - policy "fail" may surface as an error
+        retry = {"error": repr(exc)}
     sched, _ = connectors(llm)
-    result = {"cold": cold, "retry": retry, "stats": sched.stats(), "leaks": leak_report(llm)}
+    core = llm.llm_engine.engine_core.engine_core
+    result = {
+        "cold": cold,
+        "retry": retry,
+        "policy": core.scheduler.vllm_config.kv_transfer_config.kv_load_failure_policy,
+        "stats": sched.stats(),
+        "leaks": leak_report(llm),
+    }
     close_llm(llm)
     return result
 
 
 def _worker_flush(timeout_s: float = 10.0) -> dict[str, Any]:
-    """Let write-through land and return the worker's counters (storage included)."""
-    _, worker = (None, None)
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+    """Let write-through land and return the worker's counters (storage included); empty when
+    the workers run in other processes (TP), whose stores flush when the engine closes."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
 
+    if not has_kv_transfer_group():
+        return {}
     worker = get_kv_transfer_group()
     if worker.worker is not None and worker.worker.storage is not None:
         worker.worker.storage.flush(timeout_s)
@@ -215,13 +255,13 @@ def storage_outage(args: dict[str, Any]) -> dict[str, Any]:
     _worker_flush()
     redis.kill()
     # The CPU tier is dropped too, so storage is the only place A could come from.
-    llm.reset_prefix_cache(reset_connector=True)
+    drop_host_tier(llm)
     out["down"] = [generate(llm, [p])[0] for p in (a, b)]
     redis.start()
     time.sleep(args.get("recover_s", 6.0))  # breaker cool-down + health probe
     out["after_restart_cold"] = generate(llm, [c])[0]
     _worker_flush()
-    llm.reset_prefix_cache(reset_connector=True)
+    drop_host_tier(llm)
     out["after_restart_hit"] = generate(llm, [c])[0]
     sched, _ = connectors(llm)
     out["stats"] = sched.stats()
@@ -229,6 +269,89 @@ def storage_outage(args: dict[str, Any]) -> dict[str, Any]:
     out["leaks"] = leak_report(llm)
     close_llm(llm)
     redis.kill()
+    return out
+
+
+def storage_reset(args: dict[str, Any]) -> dict[str, Any]:
+    """A weight update's reset: what was stored before must not be served after it."""
+    llm = make_llm(args, args["extra"])
+    a = args["prompts"][0]
+    out: dict[str, Any] = {"cold": generate(llm, [a])[0]}
+    _worker_flush()
+    llm.reset_prefix_cache(reset_connector=True)  # host tier and storage epoch
+    out["after_reset"] = generate(llm, [a])[0]
+    _worker_flush()
+    llm.reset_prefix_cache()  # GPU only: the post-reset copy must still be served
+    out["again"] = generate(llm, [a])[0]
+    sched, _ = connectors(llm)
+    out["stats"] = sched.stats()
+    out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    return out
+
+
+def storage_steps(args: dict[str, Any]) -> dict[str, Any]:
+    """Engine steps a cold request takes (storage configured or not), then a storage hit."""
+    llm = make_llm(args, args["extra"])
+    a, b = args["prompts"]
+    sched, _ = connectors(llm)
+    before = sched.stats().get("steps", 0)
+    cold = generate(llm, [a])[0]
+    steps = sched.stats()["steps"] - before
+    out = {"cold": cold, "cold_steps": steps, "second": generate(llm, [b])[0]}
+    out["stats"] = sched.stats()
+    out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    return out
+
+
+def best_effort(args: dict[str, Any]) -> dict[str, Any]:
+    """best_effort never waits, but its probe warms the host tier for the next request."""
+    llm = make_llm(args, args["extra"])
+    a = args["prompts"][0]
+    out: dict[str, Any] = {"first": generate(llm, [a])[0]}
+    sched, _ = connectors(llm)
+    deadline = time.monotonic() + 20
+    while sched.stats().get("storage_fetched", 0) == 0 and time.monotonic() < deadline:
+        generate(llm, [prompt(99, 8)], max_tokens=1)  # engine steps acknowledge the fetch
+    llm.reset_prefix_cache()  # GPU only: the next hit can come from the host tier alone
+    out["second"] = generate(llm, [a])[0]
+    out["stats"] = sched.stats()
+    out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    return out
+
+
+def slow_storage(args: dict[str, Any]) -> dict[str, Any]:
+    """Storage that answers, but slowly: waits time out, the breaker opens, requests stop
+    waiting. The delay is injected around the real fs adapter (no real disk is this slow)."""
+    from himamba.tiers import lmcache_store
+
+    real = lmcache_store.create_lmcache_adapter
+
+    def slow_adapter(spec: dict[str, Any]) -> Any:
+        adapter = real(spec)
+        for name in ("submit_lookup_and_lock_task", "submit_load_task", "submit_store_task"):
+            submit = getattr(adapter, name)
+
+            def delayed(*a: Any, _submit: Any = submit, **kw: Any) -> Any:
+                time.sleep(args["delay_s"])
+                return _submit(*a, **kw)
+
+            setattr(adapter, name, delayed)
+        return adapter
+
+    from himamba.connector import vllm_connector
+
+    vllm_connector.open_store = lambda cfg, ns: lmcache_store.LMCacheStore(
+        cfg, ns, adapter_factory=slow_adapter
+    )
+    llm = make_llm(args, args["extra"])
+    outs = [generate(llm, [p])[0] for p in args["prompts"]]
+    sched, _ = connectors(llm)
+    out = {"outs": outs, "stats": sched.stats(), "leaks": leak_report(llm)}
+    out["breaker"] = str(sched.scheduler.storage.store.breaker_state)
+    close_llm(llm)
     return out
 
 
@@ -242,10 +365,15 @@ SCENARIOS = {
         storage_writer,
         storage_reader,
         storage_outage,
+        storage_reset,
+        storage_steps,
+        best_effort,
+        slow_storage,
     )
 }
 
 if __name__ == "__main__":
     name, raw = sys.argv[1], sys.argv[2]
     res = SCENARIOS[name](json.loads(raw))
+    res.setdefault("block_size", ENGINE.get("block_size"))
     print("RESULT " + json.dumps(res), flush=True)

@@ -92,3 +92,20 @@ def test_fingerprint_changes_when_the_state_dtype_changes():
 def test_layouts_that_cannot_be_cached_exactly_are_refused_with_a_reason(specs, reason):
     with pytest.raises(UnsupportedLayout, match=reason):
         build_layout(VLLM_CONFIG, config(*specs))
+
+
+@pytest.mark.parametrize(
+    ("field", "reason"),
+    [
+        ("pipeline_parallel_size", "pipeline parallelism"),
+        ("decode_context_parallel_size", "DCP"),
+        ("prefill_context_parallel_size", "PCP"),
+    ],
+)
+def test_pipeline_and_context_parallel_layouts_are_refused_not_mis_sized(field, reason):
+    # Each pipeline stage owns other layers (other slot sizes), and DCP/PCP shard attention
+    # blocks by token: caching them with one slot layout would index past a stage's pool.
+    par = SimpleNamespace(**{"tensor_parallel_size": 1, "pipeline_parallel_size": 1, field: 2})
+    vllm_config = SimpleNamespace(cache_config=VLLM_CONFIG.cache_config, parallel_config=par)
+    with pytest.raises(UnsupportedLayout, match=reason):
+        build_layout(vllm_config, config(mamba(), attention()))

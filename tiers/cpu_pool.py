@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -45,6 +46,11 @@ class HostSlotPool:
     @property
     def nbytes(self) -> int:
         return self._buffer.numel()
+
+    def slot_segments(self, slot: int) -> list[np.ndarray]:
+        """One slot as views of its per-layer rows, in order (no copy): a storage put copies
+        them straight into its staging buffer."""
+        return [row[slot] for row in self.np_rows]
 
     def read_slot(self, slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """All layers of one slot as one contiguous byte tensor (for storage tiers)."""

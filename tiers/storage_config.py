@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 CHECKSUMS = ("blake3", "crc32")
+WEIGHTS_FINGERPRINTS = ("sampled", "full")
 
 _PREFIX = "storage"
 
@@ -52,6 +53,9 @@ class StorageConfig:
     breaker_failures: int = 3
     # Wait before recreating the adapter and probing again: avoids reconnect storms.
     breaker_cooldown_s: float = 2.0
+    # Each re-open without a healthy period (this long closed) doubles the cool-down, up to
+    # this: flapping or slow-but-alive storage then costs waiting requests ever more rarely.
+    breaker_max_cooldown_s: float = 60.0
     # Health probe period: the native Redis adapter reports misses, not errors, once its server restarts.
     probe_interval_s: float = 5.0
     # CPU threads for header+checksum work; checksums release the GIL, so 2 saturate a small VM.
@@ -62,6 +66,26 @@ class StorageConfig:
     checksum: str = "blake3"
     # Staging buffers kept for reuse: first-touch page faults cost more than the copy itself.
     staging_pool_mb: int = 256
+    # Bound on put bytes held at once (queued, with the adapter, or kept for a hung adapter):
+    # each put is copied into store memory at submission, so without a bound a slow or stalled
+    # backend grows it without limit. A put that does not fit is dropped ("backpressure"):
+    # write-through is best effort, a skipped put only costs a future storage hit. 256 MiB
+    # absorbs ~0.5 s of writes at the ~0.5 GB/s a local fs adapter sustains.
+    write_buffer_mb: int = 256
+    # Put batches handed to the adapter at once; the rest wait in the store's queue (bounded by
+    # write_buffer_mb). The op deadline runs from the hand-off, so it times the backend, not a
+    # burst queued inside the adapter, and gets are not stuck behind that burst.
+    adapter_put_depth: int = 4
+    # Per engine step, the scheduler may block this long in total for storage probe answers:
+    # probes are sent when a request arrives, so most answers are back by its first lookup and
+    # a cold request is scheduled in its first step instead of paying an extra one.
+    probe_wait_ms: float = 5.0
+    # The operator's own identity of the served weights (e.g. a training step); replaces the
+    # checkpoint fingerprint in storage namespaces. None = fingerprint the checkpoint files.
+    weights_id: str | None = None
+    # How checkpoint files are fingerprinted: "sampled" (header + start/middle/end of every
+    # tensor; milliseconds) or "full" (every byte; for checkpoints edited in place in a few rows).
+    weights_fingerprint: str = "sampled"
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StorageConfig:
@@ -104,18 +128,42 @@ class StorageConfig:
             "prefetch_timeout_max_s",
         ):
             kw[name] = _float(d, name, getattr(cls, name))
-        for name in ("op_deadline_s", "breaker_cooldown_s", "probe_interval_s"):
+        for name in (
+            "op_deadline_s",
+            "breaker_cooldown_s",
+            "breaker_max_cooldown_s",
+            "probe_interval_s",
+        ):
             kw[name] = _float(d, name, getattr(cls, name), positive=True)
+        if "breaker_max_cooldown_s" not in d:  # a long base cool-down raises the default cap
+            kw["breaker_max_cooldown_s"] = max(
+                kw["breaker_max_cooldown_s"], kw["breaker_cooldown_s"]
+            )
+        elif kw["breaker_max_cooldown_s"] < kw["breaker_cooldown_s"]:
+            raise _err("breaker_max_cooldown_s", "must be >= breaker_cooldown_s")
         if kw["prefetch_timeout_max_s"] < kw["prefetch_timeout_base_s"]:
             raise _err("prefetch_timeout_max_s", "must be >= prefetch_timeout_base_s")
         kw["breaker_failures"] = _int(d, "breaker_failures", cls.breaker_failures, minimum=1)
         kw["num_workers"] = num_workers
         kw["io_workers"] = io_workers
         kw["staging_pool_mb"] = _int(d, "staging_pool_mb", cls.staging_pool_mb, minimum=0)
+        kw["write_buffer_mb"] = _int(d, "write_buffer_mb", cls.write_buffer_mb, minimum=1)
+        kw["adapter_put_depth"] = _int(d, "adapter_put_depth", cls.adapter_put_depth, minimum=1)
         checksum = d.get("checksum", cls.checksum)
         if checksum not in CHECKSUMS:
             raise _err("checksum", f"{checksum!r} is not one of {', '.join(CHECKSUMS)}")
         kw["checksum"] = checksum
+        kw["probe_wait_ms"] = _float(d, "probe_wait_ms", cls.probe_wait_ms)
+        weights_id = d.get("weights_id")
+        if weights_id is not None and (not isinstance(weights_id, str) or not weights_id):
+            raise _err("weights_id", f"expected a non-empty string, got {weights_id!r}")
+        kw["weights_id"] = weights_id
+        mode = d.get("weights_fingerprint", cls.weights_fingerprint)
+        if mode not in WEIGHTS_FINGERPRINTS:
+            raise _err(
+                "weights_fingerprint", f"{mode!r} is not one of {', '.join(WEIGHTS_FINGERPRINTS)}"
+            )
+        kw["weights_fingerprint"] = mode
         return cls(**kw)
 
 

@@ -1,0 +1,192 @@
+"""Worker-side storage traffic: write-through of fresh host slots, and fetch orders into slots.
+
+Runs inside vLLM's worker step, so nothing here blocks on storage: it submits to the store and
+drains completions once per step. Fetched bytes reach a host slot only after the store validated
+them (header, size, checksum) and only while their fetch is live: a cancelled fetch's late bytes
+are dropped, because the scheduler may already have handed its slots to someone else (see
+fetch_protocol). Each finished fetch is acknowledged once, with this worker's rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from himamba.connector.fetch_protocol import FetchAck, FetchOrder
+from himamba.tiers.cpu_pool import HostSlotPool
+from himamba.tiers.object_format import ObjectKind, StorageKey, stored_size
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Get:
+    order: FetchOrder
+    # Where each item's validated bytes land before they are copied into the slot: the store
+    # writes them from its own threads, and only this thread ever touches the pool.
+    buffers: list[torch.Tensor]
+
+
+class WorkerStorage:
+    def __init__(
+        self,
+        store: Any,
+        pools: dict[int, HostSlotPool],
+        rank: int,
+        capacity_bytes: int | None,
+        write_through: bool,
+    ) -> None:
+        self.store = store
+        self.pools = pools  # kind -> pool
+        self.rank = rank
+        self.capacity_bytes = capacity_bytes
+        self.write_through = write_through
+        self._gets: dict[int, _Get] = {}  # store task id -> live fetch
+        self._fetch_tasks: dict[int, int] = {}  # fetch id -> store task id
+        self._puts: dict[int, list[StorageKey]] = {}
+        # Objects this process wrote, oldest first: the LRU that capacity_gb evicts from. Kept
+        # only when a capacity is set; unbounded storage needs no per-object record here.
+        self._lru: OrderedDict[StorageKey, int] | None = (
+            OrderedDict() if capacity_bytes is not None else None
+        )
+        self._lru_bytes = 0
+        self._acks: list[FetchAck] = []
+        self.counters: dict[str, float] = dict.fromkeys(
+            (
+                "storage_puts_ok",
+                "storage_puts_failed",
+                "storage_puts_skipped",
+                "storage_gets_ok",
+                "storage_gets_failed",
+                "storage_gets_cancelled",
+                "storage_bytes_written",
+                "storage_bytes_read",
+                "storage_evictions",
+            ),
+            0,
+        )
+
+    # -- write-through ---------------------------------------------------------------
+    def write_through_slots(
+        self, kind: int, slots: Sequence[int], hashes: Sequence[bytes], epoch: str = ""
+    ) -> None:
+        if not self.write_through or not slots:
+            return
+        pool = self.pools[kind]
+        keys = [StorageKey(h, ObjectKind(kind), epoch) for h in hashes]
+        # The store copies each slot's layer rows into its own staging buffer before returning,
+        # so the slot may be overwritten by a later step at once.
+        tid = self.store.submit_put(keys, [pool.slot_segments(s) for s in slots])
+        self._puts[tid] = keys
+
+    # -- fetches -----------------------------------------------------------------------
+    def cancel(self, fetch_ids: Iterable[int]) -> None:
+        """Drop fetches the scheduler gave up: their bytes must never reach a slot now."""
+        for fid in fetch_ids:
+            tid = self._fetch_tasks.pop(fid, None)
+            if tid is not None and self._gets.pop(tid, None) is not None:
+                self.counters["storage_gets_cancelled"] += 1
+
+    def fetch(self, orders: Sequence[FetchOrder]) -> None:
+        for order in orders:
+            keys = [
+                StorageKey(it.block_hash, ObjectKind(it.kind), order.epoch) for it in order.items
+            ]
+            bufs = [
+                torch.empty(self.pools[it.kind].slot_bytes, dtype=torch.uint8) for it in order.items
+            ]
+            tid = self.store.submit_get(keys, bufs)
+            self._gets[tid] = _Get(order, bufs)
+            self._fetch_tasks[order.fetch_id] = tid
+
+    def outstanding(self) -> bool:
+        return bool(self._gets)
+
+    def poll(self) -> None:
+        for res in self.store.poll():
+            get = self._gets.pop(res.task_id, None)
+            if get is not None:
+                self._fetch_tasks.pop(get.order.fetch_id, None)
+                self._finish_get(get, res)
+                continue
+            keys = self._puts.pop(res.task_id, None)
+            if keys is not None:
+                self._finish_put(keys, res)
+            # Anything else is a task of a cancelled fetch: its buffers are simply dropped.
+
+    def _finish_get(self, get: _Get, res: Any) -> None:
+        oks: list[bool] = []
+        for i, (item, buf) in enumerate(zip(get.order.items, get.buffers, strict=True)):
+            ok = res.error is None and i < len(res.ok) and bool(res.ok[i])
+            if ok:
+                self.pools[item.kind].write_slot(item.slot, buf)
+                self.counters["storage_gets_ok"] += 1
+                self.counters["storage_bytes_read"] += buf.numel()
+            else:
+                self.counters["storage_gets_failed"] += 1
+            oks.append(ok)
+        self._acks.append(FetchAck(get.order.fetch_id, self.rank, tuple(oks)))
+
+    def take_acks(self) -> list[FetchAck]:
+        acks, self._acks = self._acks, []
+        return acks
+
+    # -- puts and capacity ---------------------------------------------------------------
+    def _finish_put(self, keys: list[StorageKey], res: Any) -> None:
+        for i, key in enumerate(keys):
+            ok = res.error is None and i < len(res.ok) and res.ok[i]
+            if not ok:
+                kind = (
+                    "storage_puts_skipped" if res.error == "backpressure" else "storage_puts_failed"
+                )
+                self.counters[kind] += 1
+                continue
+            size = stored_size(self.pools[int(key.kind)].slot_bytes)
+            self.counters["storage_puts_ok"] += 1
+            self.counters["storage_bytes_written"] += size
+            if self._lru is not None:
+                if key not in self._lru:
+                    self._lru[key] = size
+                    self._lru_bytes += size
+                self._lru.move_to_end(key)
+        self._evict_over_capacity()
+
+    def _evict_over_capacity(self) -> None:
+        if self._lru is None or self.capacity_bytes is None:
+            return
+        victims = []
+        while self._lru and self._lru_bytes > self.capacity_bytes:
+            key, size = self._lru.popitem(last=False)
+            self._lru_bytes -= size
+            victims.append(key)
+        if victims:
+            self.store.submit_delete(victims)
+            self.counters["storage_evictions"] += len(victims)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (bounded) for submitted puts and gets, e.g. before a graceful shutdown."""
+        deadline = time.monotonic() + timeout_s
+        while (self._puts or self._gets) and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.005)
+        return not (self._puts or self._gets)
+
+    def leak_report(self) -> dict[str, int]:
+        return {
+            "storage_gets_pending": len(self._gets),
+            "storage_puts_pending": len(self._puts),
+            "storage_acks_unsent": len(self._acks),
+            "storage_lru_objects": 0 if self._lru is None else len(self._lru),
+        }
+
+    def close(self, flush_timeout_s: float = 5.0) -> None:
+        # Let write-through land first: a graceful restart should find what it computed.
+        self.flush(flush_timeout_s)
+        self.store.close()
