@@ -124,3 +124,23 @@ def test_corrupted_or_truncated_objects_are_misses_not_garbage(
     assert read["outs"][0]["cached"] == 0
     assert read["worker"]["storage_gets_failed"] > 0
     assert read["leaks"]["locked_entries"] == 0 and read["leaks"]["slots_conserved"]
+
+
+def test_prefix_longer_than_the_host_tier_never_waits_forever(
+    granite_model, prompts, reference, block, tmp_path
+):
+    # The reader's CPU tier holds fewer KV blocks than the stored prefix: the prefetch cannot
+    # fit, and must neither evict its own prefix nor re-fetch it round after round.
+    model, store = str(granite_model), extra(f"file://{tmp_path}")
+    run_scenario("storage_writer", {"model": model, "prompts": prompts[:1], "extra": store})
+    small = {**store, "cpu_cache_gb": 0.001}  # 3 KV slots; the prefix has 7 blocks
+    read = run_scenario(
+        "storage_reader", {"model": model, "prompts": prompts[:1], "extra": small}, timeout=300
+    )
+    assert read["outs"][0]["tokens"] == reference[0]
+    assert read["stats"]["host_kv_capacity"] < hit(A_LEN, block) // block
+    assert read["stats"]["storage_fetch_no_space"] >= 1
+    assert read["stats"].get("storage_fetches", 0) == 0
+    leaks = read["leaks"]
+    assert leaks["storage_fetches_open"] == 0 and leaks["locked_entries"] == 0
+    assert leaks["storage_requests"] == 0 and leaks["slots_conserved"]

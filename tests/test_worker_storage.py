@@ -1,0 +1,92 @@
+"""The worker's storage traffic over a real store in a directory: fetched bytes reach a slot only
+while their fetch is live, every fetch is acknowledged once with the worker's rank, and nothing
+per object is kept when storage is unbounded."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lmcache")
+
+from test_storage_tier import make_store  # noqa: E402
+
+from himamba.connector.fetch_protocol import FetchItem, FetchOrder  # noqa: E402
+from himamba.connector.worker_storage import WorkerStorage  # noqa: E402
+from himamba.tiers.cpu_pool import HostSlotPool  # noqa: E402
+
+KV, MAMBA = 0, 1
+
+
+def worker(tmp_path: Path, rank: int = 0, capacity: int | None = None) -> WorkerStorage:
+    pools = {KV: HostSlotPool([48, 16], 4), MAMBA: HostSlotPool([32], 2)}
+    return WorkerStorage(make_store(str(tmp_path)), pools, rank, capacity, write_through=True)
+
+
+def settle(ws: WorkerStorage, cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        ws.poll()
+        time.sleep(0.01)
+    assert cond()
+
+
+def fill(ws: WorkerStorage, kind: int, slot: int, value: int) -> None:
+    ws.pools[kind].write_slot(
+        slot, torch.full((ws.pools[kind].slot_bytes,), value, dtype=torch.uint8)
+    )
+
+
+def test_written_slots_come_back_byte_exact_and_are_acknowledged_with_the_rank(tmp_path):
+    ws = worker(tmp_path, rank=1)
+    fill(ws, KV, 0, 7)
+    fill(ws, MAMBA, 1, 9)
+    ws.write_through_slots(KV, [0], [b"h" * 32])
+    ws.write_through_slots(MAMBA, [1], [b"h" * 32])
+    settle(ws, lambda: ws.counters["storage_puts_ok"] == 2)
+    items = [FetchItem(KV, b"h" * 32, 3), FetchItem(MAMBA, b"h" * 32, 0)]
+    ws.fetch([FetchOrder(5, items)])
+    settle(ws, lambda: not ws.outstanding())
+    acks = ws.take_acks()
+    assert [(a.fetch_id, a.rank, a.ok) for a in acks] == [(5, 1, (True, True))]
+    assert bool((ws.pools[KV].read_slot(3) == 7).all())
+    assert bool((ws.pools[MAMBA].read_slot(0) == 9).all())
+    # Unbounded storage: no per-object bookkeeping grows with every write.
+    assert ws.leak_report() == {
+        "storage_gets_pending": 0,
+        "storage_puts_pending": 0,
+        "storage_acks_unsent": 0,
+        "storage_lru_objects": 0,
+    }
+    ws.close()
+
+
+def test_a_cancelled_fetch_never_writes_its_slot_nor_acknowledges(tmp_path):
+    ws = worker(tmp_path)
+    fill(ws, KV, 0, 3)
+    ws.write_through_slots(KV, [0], [b"k" * 32])
+    settle(ws, lambda: ws.counters["storage_puts_ok"] == 1)
+    fill(ws, KV, 2, 0)
+    ws.fetch([FetchOrder(8, [FetchItem(KV, b"k" * 32, 2)])])
+    ws.cancel([8])  # the scheduler reused slot 2 in the same plan
+    fill(ws, KV, 2, 42)  # ... e.g. for a store of another block
+    time.sleep(0.3)
+    ws.poll()
+    assert ws.take_acks() == []
+    assert bool((ws.pools[KV].read_slot(2) == 42).all())
+    assert ws.counters["storage_gets_cancelled"] == 1 and not ws.outstanding()
+    ws.close()
+
+
+def test_capacity_evicts_the_oldest_objects_this_worker_wrote(tmp_path):
+    ws = worker(tmp_path, capacity=2 * (64 + 64))  # room for two KV objects (header + payload)
+    for i in range(3):
+        fill(ws, KV, i, i + 1)
+        ws.write_through_slots(KV, [i], [bytes([i]) * 32])
+    settle(ws, lambda: ws.counters["storage_puts_ok"] == 3)
+    assert ws.counters["storage_evictions"] == 1
+    assert ws.leak_report()["storage_lru_objects"] == 2
+    ws.close()
