@@ -35,4 +35,26 @@ lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .cache build *.egg-info
+	rm -rf $(VENV) .venv033 .cache build *.egg-info
+
+# The scheduler-level lifecycle suite against vLLM 0.33 (the GPU wheel, which imports without a
+# GPU). Its torch==2.14.0 pin means CUDA torch from PyPI: the venv is ~9.5 GiB and takes ~5 min to
+# build once. VLLM_TARGET_DEVICE=cpu selects vLLM's CPU platform; without it the wheel picks no
+# platform, turns the hybrid KV cache manager off, and no hybrid model can be laid out.
+VENV033 := .venv033
+PY033 := $(VENV033)/bin/python
+STAMP033 := $(VENV033)/.himamba-setup
+
+$(STAMP033): pyproject.toml
+	test -x $(PY033) || $(PYTHON) -m venv $(VENV033)
+	$(PY033) -m pip install -q "vllm==0.33.0" 2>&1 | $(QUIET_PIP)
+	echo "torch==2.14.0" > $(VENV033)/constraints.txt
+	$(PY033) -m pip install -q -c $(VENV033)/constraints.txt "lmcache==0.5.6" "pytest>=8" \
+		"hypothesis>=6" "safetensors>=0.4" "tokenizers>=0.19" "pyyaml>=6" 2>&1 | $(QUIET_PIP)
+	$(PY033) -m pip install -q --no-deps -e . 2>&1 | $(QUIET_PIP)
+	VLLM_TARGET_DEVICE=cpu $(PY033) -c "import vllm, lmcache, himamba.connector"
+	touch $(STAMP033)
+
+.PHONY: test-vllm033
+test-vllm033: $(STAMP033)
+	VLLM_TARGET_DEVICE=cpu $(PY033) -m pytest -q --durations=10 tests/lifecycle

@@ -43,9 +43,6 @@ from himamba.tiers.storage_config import StorageConfig, prefetch_deadline_s
 logger = logging.getLogger(__name__)
 
 KV, MAMBA = int(ObjectKind.KV), int(ObjectKind.MAMBA)
-# A fetch whose acknowledgements have not all arrived this long after its last possible
-# completion is given up (a rank died or an acknowledgement was lost): its slots are reclaimed.
-ACK_GRACE_S = 5.0
 
 
 class Phase(enum.Enum):
@@ -260,8 +257,10 @@ class StoragePlanner:
         if mamba_slot is not None:
             items.append(FetchItem(MAMBA, hashes[target - 1], mamba_slot))
             indexes.append(target - 1)
-        # Every storage op ends by its deadline, so all acknowledgements are due by then.
-        expires = time.monotonic() + 2 * self.cfg.op_deadline_s + ACK_GRACE_S
+        # Every storage op ends by its deadline after reaching the adapter, so acknowledgements
+        # are due within a few deadlines; later, a rank died or an acknowledgement was lost, and
+        # the fetch is given up (cancelled, its slots reclaimed).
+        expires = time.monotonic() + 3 * self.cfg.op_deadline_s
         fid = self.ledger.open(items, expires, self.epoch)
         self._fetches[fid] = _Fetch(req_id, st.waits, pin, hashes, part, indexes, len(keep))
         st.fetch_id = fid

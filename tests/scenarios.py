@@ -341,11 +341,7 @@ def slow_storage(args: dict[str, Any]) -> dict[str, Any]:
             setattr(adapter, name, delayed)
         return adapter
 
-    from himamba.connector import vllm_connector
-
-    vllm_connector.open_store = lambda cfg, ns: lmcache_store.LMCacheStore(
-        cfg, ns, adapter_factory=slow_adapter
-    )
+    lmcache_store.create_lmcache_adapter = slow_adapter
     llm = make_llm(args, args["extra"])
     outs = [generate(llm, [p])[0] for p in args["prompts"]]
     sched, _ = connectors(llm)

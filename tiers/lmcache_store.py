@@ -50,7 +50,7 @@ class LMCacheStore:
         self,
         cfg: StorageConfig,
         namespace: Namespace,
-        adapter_factory: Callable[[dict[str, Any]], Any] = create_lmcache_adapter,
+        adapter_factory: Callable[[dict[str, Any]], Any] | None = None,
     ) -> None:
         self.cfg, self.ns = cfg, namespace
         self.stats = StoreStats()
@@ -60,7 +60,10 @@ class LMCacheStore:
         os.set_blocking(self._wake_w, False)
         self._stop = threading.Event()
         self._closed = False
-        self._health = AdapterHealth(cfg, adapter_factory, self.stats, self._post)
+        # Looked up at call time, not bound as a default argument, so a fault-injection test can
+        # replace the module's factory.
+        factory = adapter_factory or create_lmcache_adapter
+        self._health = AdapterHealth(cfg, factory, self.stats, self._post)
         self._pipeline = TaskPipeline(cfg, namespace, self._health, self.stats, self._post)
         self._health.attach(self._pipeline)
         try:

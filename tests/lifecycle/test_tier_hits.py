@@ -1,0 +1,25 @@
+"""A prefix evicted from vLLM's GPU cache comes back from the CPU tier, or from storage in a
+fresh engine, with exactly the bytes a recompute would produce."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import connector_config
+from .leaks import assert_no_leaks
+from .workload import prompt_of
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_cpu_tier_hit_restores_exact_bytes(make_engine, async_scheduling):
+    engine = make_engine(async_scheduling=async_scheduling, connector_config=connector_config())
+    prompt = prompt_of(1, 80)
+    engine.add_request("a", prompt, max_tokens=3)
+    engine.run_until_idle()
+    # Drop vLLM's own copy, so only the connector can serve the prefix.
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add_request("b", prompt, max_tokens=3)
+    engine.run_until_idle()
+    assert engine.records["b"].output == engine.records["a"].output
+    assert engine.hits.host == 64, engine.hits
+    assert_no_leaks(engine)
