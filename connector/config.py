@@ -33,6 +33,17 @@ class HiMambaConfig:
     # Also keep KV of decode-phase blocks, so a follow-up turn that extends
     # this conversation can hit beyond the original prompt.
     store_decode_blocks: bool = True
+    # Keep Mamba states through generated output so a conversation's next turn hits past its
+    # previous prompt. vLLM hands connectors states only where its GPU prefix cache retains
+    # them; at its default (prefix_cache_retention_interval=0: prompt ends and junctions) no
+    # state inside an output survives, so himamba sets the interval to the block size at
+    # start-up (logged). False leaves vLLM's setting alone.
+    keep_decode_states: bool = True
+    # Besides each request's prompt-end state and its latest decode-boundary state, keep a
+    # checkpoint every this many tokens (rounded up to whole blocks): a prompt that shares
+    # only the first part of an earlier one hits at the last checkpoint before they diverge.
+    # 1024: sharing the first 3,000 of 4,000 tokens hits 2,048+, for ~4 states per 4k tokens.
+    checkpoint_interval_tokens: int = 1024
     # vLLM's default kv_load_failure_policy "fail" fails a user request whenever a cache load
     # fails; himamba switches it to "recompute" at start-up unless this is true.
     respect_fail_policy: bool = False
@@ -76,6 +87,11 @@ class HiMambaConfig:
                 "himamba: mamba_cache_fraction must be in (0, 1), "
                 f"got {self.mamba_cache_fraction!r}"
             )
+        if self.checkpoint_interval_tokens < 1:
+            raise ConfigError(
+                "himamba: checkpoint_interval_tokens must be >= 1, "
+                f"got {self.checkpoint_interval_tokens!r}"
+            )
         if self.min_load_tokens < 0:
             raise ConfigError(
                 f"himamba: min_load_tokens must be >= 0, got {self.min_load_tokens!r}"
@@ -92,6 +108,8 @@ _TYPES: dict[str, type] = {
     "min_load_tokens": int,
     "store_decode_blocks": bool,
     "respect_fail_policy": bool,
+    "keep_decode_states": bool,
+    "checkpoint_interval_tokens": int,
 }
 
 

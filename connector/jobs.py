@@ -59,12 +59,15 @@ class StepPlan:
     # Storage -> host fetches to start, and fetch ids to drop before anything else is done.
     fetches: list[FetchOrder] = field(default_factory=list)
     cancels: list[int] = field(default_factory=list)
-    # Storage key epoch for this step's write-through (changes when the cache is reset).
+    # Host objects to copy to storage before anything else touches their slots this step
+    # (selective write-through, write-back): (kind, host slot, block hash).
+    storage_writes: list[tuple[int, int, bytes]] = field(default_factory=list)
+    # Storage key epoch for this step's writes (changes when the cache is reset).
     epoch: str = ""
 
     def moves_bytes(self) -> bool:
-        """Whether the worker copies anything between its caches and the host tier this step."""
-        return bool(self.loads or self.kv_stores or self.mamba_stores)
+        """Whether the worker copies host-tier bytes this step."""
+        return bool(self.loads or self.kv_stores or self.mamba_stores or self.storage_writes)
 
     def is_empty(self) -> bool:
         return not (self.moves_bytes() or self.fetches or self.cancels)

@@ -23,10 +23,13 @@ from himamba.connector.config import HiMambaConfig
 from himamba.connector.fetch_protocol import FetchAck
 from himamba.connector.jobs import LoadJob, StepPlan
 from himamba.connector.layout import HybridLayout
+from himamba.connector.state_budget import RequestStates, StateBudget
 from himamba.connector.storage_plan import StoragePlanner
 from himamba.connector.tree import HybridRadixTree, LockHandle, MatchResult
 
 logger = logging.getLogger(__name__)
+
+KV, MAMBA = 0, 1  # object kinds (himamba.tiers.object_format.ObjectKind)
 
 
 @dataclass
@@ -42,6 +45,7 @@ class _Pending:
 @dataclass
 class _Tracked:
     request: Any
+    states: RequestStates
     next_store_block: int = 0
 
 
@@ -75,6 +79,21 @@ class SchedulerHalf:
         self._inflight: dict[str, LockHandle] = {}
         self._no_hits: set[str] = set()
         self._plan = StepPlan()
+        self.budget = StateBudget(layout.block_size, config.checkpoint_interval_tokens)
+        # Host objects to write to storage this step (selective write-through, write-back),
+        # collected while the step is scheduled and handed to the plan at its end.
+        self._writes: list[tuple[int, int, bytes]] = []
+
+    def attach_storage(self, planner: StoragePlanner) -> None:
+        """Storage behind the CPU tier; its write policy decides when host objects reach it."""
+        self.storage = planner
+        if planner.cfg.write_policy == "write_back":
+            self.tree.write_back = self._write_back
+
+    def _write_back(self, is_state: bool, slot: int, block_hash: bytes) -> bool:
+        # The slot may be reused by this very step's plan: the worker writes first.
+        self._writes.append((MAMBA if is_state else KV, slot, block_hash))
+        return True
 
     # -- hashing -----------------------------------------------------------------
     def block_hashes(self, request: Any) -> list[bytes]:
@@ -142,11 +161,19 @@ class SchedulerHalf:
         if handle is None:
             return 0, False
         self._pending[req_id] = _Pending(result, handle, num_blocks, result.state_slot(True))
+        storage = self.storage
+        if storage is not None and storage.cfg.write_policy == "write_through_selective":
+            # Written while this hit's lock keeps the slots: popular prefixes reach storage.
+            for is_state, slot, h in self.tree.hot_objects(result, storage.cfg.write_threshold):
+                self._writes.append((MAMBA if is_state else KV, slot, h))
         return tokens, True
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
-        self._tracked.setdefault(req_id, _Tracked(request))
+        if req_id not in self._tracked:
+            known = self.tree.depth(self.block_hashes(request), request_partition(request))
+            states = self.budget.open(request.num_prompt_tokens, known)
+            self._tracked[req_id] = _Tracked(request, states)
         pending = self._pending.pop(req_id, None)
         if num_external_tokens == 0:
             if pending is not None:
@@ -200,6 +227,8 @@ class SchedulerHalf:
         if self.storage is not None:
             plan.fetches, plan.cancels = self.storage.step()
             plan.epoch = self.storage.epoch
+        plan.storage_writes, self._writes = self._writes, []
+        self.counters["storage_writes_planned"] += len(plan.storage_writes)
         return plan
 
     def _computed_before_step(self, scheduler_output: Any) -> dict[str, int]:
@@ -262,10 +291,16 @@ class SchedulerHalf:
                 if any(per_group.get(g, 0) == 0 for g in mamba_groups):
                     self.counters["mamba_incomplete_handoffs"] += 1
                     continue
+                keep, replaces = self.budget.decide(tracked.states, boundary)
+                if not keep:
+                    self.counters["mamba_states_skipped"] += 1
+                    continue
                 slot = self.tree.reserve_mamba(hashes, part, n)
                 if slot is not None:
                     plan.mamba_stores.add(slot, [per_group[g] for g in mamba_groups], hashes[n - 1])
                     self.counters["mamba_states_stored"] += 1
+                if replaces and self.tree.drop_state(hashes, part, replaces // bs):
+                    self.counters["mamba_states_replaced"] += 1
 
     # -- completion --------------------------------------------------------------
     def on_output(

@@ -61,6 +61,35 @@ def adapt_load_failure_policy(vllm_config: Any, config: HiMambaConfig) -> None:
     )
 
 
+def retain_decode_states(
+    vllm_config: Any, kv_cache_config: Any, config: HiMambaConfig, layout: HybridLayout
+) -> None:
+    """Let Mamba states inside generated output reach the connector.
+
+    vLLM hands connectors only the states its GPU prefix cache retains; with its default
+    ``prefix_cache_retention_interval=0`` that is prompt ends and shared-prefix junctions, so a
+    conversation's next turn can never hit past the previous prompt. The scheduler's KV cache
+    manager is built right after this connector and reads the interval from ``kv_cache_config``,
+    so setting it to the block size here retains a state at every block boundary (vLLM's own GPU
+    cache keeps them too, as evictable cached blocks; StateBudget decides what the CPU tier
+    keeps). An explicit non-zero interval or None (dense) is left alone."""
+    if not config.keep_decode_states:
+        return
+    current = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    if current != 0:
+        return
+    kv_cache_config.prefix_cache_retention_interval = layout.block_size
+    cache_config = getattr(vllm_config, "cache_config", None)
+    if cache_config is not None and hasattr(cache_config, "prefix_cache_retention_interval"):
+        cache_config.prefix_cache_retention_interval = layout.block_size
+    logger.info(
+        "himamba: prefix_cache_retention_interval 0 -> %d (block size) so Mamba states inside "
+        "generated output are retained and a conversation's next turn can hit through it "
+        "(keep_decode_states: false leaves it at 0)",
+        layout.block_size,
+    )
+
+
 @dataclass
 class HiMambaMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
@@ -100,13 +129,16 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         scfg = self.storage_config
         if role == KVConnectorRole.SCHEDULER:
             adapt_load_failure_policy(vllm_config, self.config)
+            retain_decode_states(vllm_config, kv_cache_config, self.config, self.layout)
             self.scheduler = SchedulerHalf(self.layout, self.config, kv_slots, mamba_slots)
             if scfg is not None:
                 # The scheduler probes rank 0's keys: a shard missing on another rank fails
                 # that fetch on that rank, which the ledger turns into a rolled-back fetch.
                 store = open_store(scfg, storage_namespace(vllm_config, self.layout, 0, scfg))
-                self.scheduler.storage = StoragePlanner(
-                    scfg, store, self.scheduler.tree, self.scheduler.counters, self._world_size
+                self.scheduler.attach_storage(
+                    StoragePlanner(
+                        scfg, store, self.scheduler.tree, self.scheduler.counters, self._world_size
+                    )
                 )
         else:
             opener = None
@@ -121,7 +153,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         def opener(pools: dict) -> WorkerStorage:
             store = open_store(scfg, storage_namespace(vllm_config, layout, rank, scfg))
             capacity = None if scfg.capacity_gb is None else int(scfg.capacity_gb * (1 << 30))
-            return WorkerStorage(store, pools, rank, capacity, scfg.write_through)
+            return WorkerStorage(store, pools, rank, capacity, scfg.write_policy)
 
         return opener
 

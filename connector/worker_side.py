@@ -109,8 +109,10 @@ class WorkerHalf:
     def run_loads(self, plan: StepPlan) -> None:
         self._idle_step = not plan.moves_bytes()
         if self.storage is not None:
-            # Cancels first: the scheduler may reuse a cancelled fetch's slots in this very plan.
+            # Cancels first: the scheduler may reuse a cancelled fetch's slots in this very plan;
+            # then writes of host objects, before this step's stores or fetches overwrite them.
             self.storage.cancel(plan.cancels)
+            self.storage.write_slots(plan.storage_writes, plan.epoch)
             self.storage.fetch(plan.fetches)
         for job in plan.loads:
             start = time.perf_counter()
@@ -156,7 +158,7 @@ class WorkerHalf:
         if self.storage is not None:
             stores = ((KV, plan.kv_stores), (MAMBA, plan.mamba_stores))
             for kind, batch in stores:
-                self.storage.write_through_slots(kind, batch.slots, batch.hashes, plan.epoch)
+                self.storage.on_stored(kind, batch.slots, batch.hashes, plan.epoch)
         self.counters["store_seconds"] += time.perf_counter() - start
 
     def take_results(self) -> tuple[set[str], set[str]]:

@@ -1,4 +1,4 @@
-"""Worker-side storage traffic: write-through of fresh host slots, and fetch orders into slots.
+"""Worker-side storage traffic: writes of host slots (by write policy), fetch orders into slots.
 
 Runs inside vLLM's worker step, so nothing here blocks on storage: it submits to the store and
 drains completions once per step. Fetched bytes reach a host slot only after the store validated
@@ -40,13 +40,17 @@ class WorkerStorage:
         pools: dict[int, HostSlotPool],
         rank: int,
         capacity_bytes: int | None,
-        write_through: bool,
+        write_policy: str = "write_through",
     ) -> None:
         self.store = store
         self.pools = pools  # kind -> pool
         self.rank = rank
         self.capacity_bytes = capacity_bytes
-        self.write_through = write_through
+        self.write_policy = write_policy
+        # write_back: host slots whose content storage does not have yet, (kind, slot) ->
+        # (hash, epoch). Flushed at a clean shutdown; cleared when the slot is written or
+        # overwritten by a fetch (its content then belongs to another key).
+        self._dirty: dict[tuple[int, int], tuple[bytes, str]] = {}
         self._gets: dict[int, _Get] = {}  # store task id -> live fetch
         self._fetch_tasks: dict[int, int] = {}  # fetch id -> store task id
         self._puts: dict[int, list[StorageKey]] = {}
@@ -72,18 +76,46 @@ class WorkerStorage:
             0,
         )
 
-    # -- write-through ---------------------------------------------------------------
-    def write_through_slots(
+    # -- writes ----------------------------------------------------------------------
+    def on_stored(
         self, kind: int, slots: Sequence[int], hashes: Sequence[bytes], epoch: str = ""
     ) -> None:
-        if not self.write_through or not slots:
+        """Slots just filled from vLLM's cache: written now (write_through), remembered as
+        dirty (write_back), or left to the scheduler's explicit writes (selective)."""
+        if self.write_policy == "write_through":
+            self._put(kind, slots, hashes, epoch)
+        elif self.write_policy == "write_back":
+            for slot, h in zip(slots, hashes, strict=True):
+                self._dirty[(kind, slot)] = (h, epoch)
+
+    def write_slots(self, items: Sequence[tuple[int, int, bytes]], epoch: str = "") -> None:
+        """The scheduler's explicit writes (kind, slot, hash): popular objects (selective) or
+        objects the CPU tier is evicting (write-back), before their slots are reused."""
+        for kind in {k for k, _, _ in items}:
+            mine = [(s, h) for k, s, h in items if k == kind]
+            self._put(kind, [s for s, _ in mine], [h for _, h in mine], epoch)
+
+    def _put(self, kind: int, slots: Sequence[int], hashes: Sequence[bytes], epoch: str) -> None:
+        if not slots:
             return
         pool = self.pools[kind]
         keys = [StorageKey(h, ObjectKind(kind), epoch) for h in hashes]
+        for slot in slots:
+            self._dirty.pop((kind, slot), None)
         # The store copies each slot's layer rows into its own staging buffer before returning,
         # so the slot may be overwritten by a later step at once.
         tid = self.store.submit_put(keys, [pool.slot_segments(s) for s in slots])
         self._puts[tid] = keys
+
+    def flush_dirty(self) -> int:
+        """write_back at a clean shutdown: everything only the host had goes to storage."""
+        by_epoch: dict[tuple[int, str], list[tuple[int, bytes]]] = {}
+        for (kind, slot), (h, epoch) in self._dirty.items():
+            by_epoch.setdefault((kind, epoch), []).append((slot, h))
+        n = len(self._dirty)
+        for (kind, epoch), items in by_epoch.items():
+            self._put(kind, [s for s, _ in items], [h for _, h in items], epoch)
+        return n
 
     # -- fetches -----------------------------------------------------------------------
     def cancel(self, fetch_ids: Iterable[int]) -> None:
@@ -126,6 +158,7 @@ class WorkerStorage:
             ok = res.error is None and i < len(res.ok) and bool(res.ok[i])
             if ok:
                 self.pools[item.kind].write_slot(item.slot, buf)
+                self._dirty.pop((item.kind, item.slot), None)
                 self.counters["storage_gets_ok"] += 1
                 self.counters["storage_bytes_read"] += buf.numel()
             else:
@@ -184,9 +217,13 @@ class WorkerStorage:
             "storage_puts_pending": len(self._puts),
             "storage_acks_unsent": len(self._acks),
             "storage_lru_objects": 0 if self._lru is None else len(self._lru),
+            "storage_dirty_slots": len(self._dirty),
         }
 
     def close(self, flush_timeout_s: float = 5.0) -> None:
-        # Let write-through land first: a graceful restart should find what it computed.
+        # Let writes land first (and, under write_back, write what only the host holds): a
+        # graceful restart should find what this instance computed.
+        if self._dirty:
+            logger.info("himamba: write-back of %d host objects at shutdown", self.flush_dirty())
         self.flush(flush_timeout_s)
         self.store.close()

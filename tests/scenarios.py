@@ -54,6 +54,8 @@ def make_llm(args: dict[str, Any], extra: dict[str, Any] | None) -> Any:
         enable_prefix_caching=True,
         seed=0,
     )
+    if args.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = args["max_num_batched_tokens"]
     if args.get("tp", 1) > 1:
         # Workers in spawned processes; the engine core stays in this process.
         kw["tensor_parallel_size"] = args["tp"]
@@ -351,6 +353,60 @@ def slow_storage(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def conversation(args: dict[str, Any]) -> dict[str, Any]:
+    """A multi-turn chat in token ids: turn t's prompt = turn t-1's prompt + its output + new
+    tokens. Before each turn the GPU cache is reset (and, with ``storage_only``, the CPU tier
+    too), so every hit past vLLM's own cache comes from the connector's tiers."""
+    extra = args.get("extra")
+    llm = make_llm(args, extra)
+    history: list[int] = []
+    turns = []
+    for t in args["turns"]:
+        p = history + t["new"]
+        if args.get("storage_only"):
+            drop_host_tier(llm)
+        else:
+            llm.reset_prefix_cache()
+        r = generate(llm, [p], t["max_tokens"])[0]
+        turns.append({**r, "prompt_len": len(p)})
+        history = p + r["tokens"]
+    out: dict[str, Any] = {"turns": turns}
+    if extra is not None:
+        out["worker"] = _worker_flush()
+        sched, _ = connectors(llm)
+        out["stats"] = sched.stats()
+        out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    return out
+
+
+def host_states(args: dict[str, Any]) -> dict[str, Any]:
+    """One request; then the CPU tier's Mamba pool: how many states it left behind."""
+    llm = make_llm(args, args["extra"])
+    outs = [generate(llm, [p], args.get("max_tokens", 16))[0] for p in args["prompts"]]
+    sched, _ = connectors(llm)
+    out = {"outs": outs, "stats": sched.stats(), "leaks": leak_report(llm)}
+    close_llm(llm)
+    return out
+
+
+def write_policy(args: dict[str, Any]) -> dict[str, Any]:
+    """A popular prompt served ``repeats`` times (CPU-tier hits after GPU resets), then others
+    once each; storage puts after every request. The process then exits cleanly (shutdown
+    flush under write_back)."""
+    llm = make_llm(args, args["extra"])
+    popular, others = args["prompts"][0], args["prompts"][1:]
+    outs, puts = [], []
+    for p in [popular] * args["repeats"] + others:
+        llm.reset_prefix_cache()
+        outs.append(generate(llm, [p])[0])
+        puts.append(_worker_flush()["storage_puts_ok"])
+    sched, _ = connectors(llm)
+    out = {"outs": outs, "puts": puts, "stats": sched.stats(), "leaks": leak_report(llm)}
+    close_llm(llm)
+    return out
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -365,6 +421,9 @@ SCENARIOS = {
         storage_steps,
         best_effort,
         slow_storage,
+        conversation,
+        host_states,
+        write_policy,
     )
 }
 

@@ -233,11 +233,14 @@ def test_split_of_a_locked_node_keeps_the_lock_on_both_halves() -> None:
     check_invariants(tree)
 
 
-def test_hit_counts_grow_with_matches_for_selective_write_through() -> None:
+def test_hit_counts_grow_with_loads_not_lookups_for_selective_write_through() -> None:
     tree = HybridRadixTree(8, 2)
     h = chain("abc")
     store(tree, h, states=(3,))
     for _ in range(3):
-        tree.match(h)
+        tree.match(h)  # a lookup alone is no use of the prefix
+    assert tree.hit_count(h, None, 1) == 0
+    for _ in range(3):
+        tree.unlock(tree.lock(tree.match(h)))
     assert tree.hit_count(h, None, 1) == 3
     assert tree.hit_count(chain("q"), None, 0) == 0

@@ -23,7 +23,7 @@ KV, MAMBA = 0, 1
 
 def worker(tmp_path: Path, rank: int = 0, capacity: int | None = None) -> WorkerStorage:
     pools = {KV: HostSlotPool([48, 16], 4), MAMBA: HostSlotPool([32], 2)}
-    return WorkerStorage(make_store(str(tmp_path)), pools, rank, capacity, write_through=True)
+    return WorkerStorage(make_store(str(tmp_path)), pools, rank, capacity, "write_through")
 
 
 def settle(ws: WorkerStorage, cond, timeout: float = 10.0) -> None:
@@ -44,8 +44,8 @@ def test_written_slots_come_back_byte_exact_and_are_acknowledged_with_the_rank(t
     ws = worker(tmp_path, rank=1)
     fill(ws, KV, 0, 7)
     fill(ws, MAMBA, 1, 9)
-    ws.write_through_slots(KV, [0], [b"h" * 32])
-    ws.write_through_slots(MAMBA, [1], [b"h" * 32])
+    ws.on_stored(KV, [0], [b"h" * 32])
+    ws.on_stored(MAMBA, [1], [b"h" * 32])
     settle(ws, lambda: ws.counters["storage_puts_ok"] == 2)
     items = [FetchItem(KV, b"h" * 32, 3), FetchItem(MAMBA, b"h" * 32, 0)]
     ws.fetch([FetchOrder(5, items)])
@@ -60,6 +60,7 @@ def test_written_slots_come_back_byte_exact_and_are_acknowledged_with_the_rank(t
         "storage_puts_pending": 0,
         "storage_acks_unsent": 0,
         "storage_lru_objects": 0,
+        "storage_dirty_slots": 0,
     }
     ws.close()
 
@@ -67,7 +68,7 @@ def test_written_slots_come_back_byte_exact_and_are_acknowledged_with_the_rank(t
 def test_a_cancelled_fetch_never_writes_its_slot_nor_acknowledges(tmp_path):
     ws = worker(tmp_path)
     fill(ws, KV, 0, 3)
-    ws.write_through_slots(KV, [0], [b"k" * 32])
+    ws.on_stored(KV, [0], [b"k" * 32])
     settle(ws, lambda: ws.counters["storage_puts_ok"] == 1)
     fill(ws, KV, 2, 0)
     ws.fetch([FetchOrder(8, [FetchItem(KV, b"k" * 32, 2)])])
@@ -85,7 +86,7 @@ def test_capacity_evicts_the_oldest_objects_this_worker_wrote(tmp_path):
     ws = worker(tmp_path, capacity=2 * (64 + 64))  # room for two KV objects (header + payload)
     for i in range(3):
         fill(ws, KV, i, i + 1)
-        ws.write_through_slots(KV, [i], [bytes([i]) * 32])
+        ws.on_stored(KV, [i], [bytes([i]) * 32])
     settle(ws, lambda: ws.counters["storage_puts_ok"] == 3)
     assert ws.counters["storage_evictions"] == 1
     assert ws.leak_report()["storage_lru_objects"] == 2

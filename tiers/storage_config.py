@@ -17,6 +17,7 @@ from urllib.parse import unquote, urlsplit
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 CHECKSUMS = ("blake3", "crc32")
 WEIGHTS_FINGERPRINTS = ("sampled", "full")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back", "none")
 
 _PREFIX = "storage"
 
@@ -39,8 +40,16 @@ class StorageConfig:
     url: str | None = None
     # None = unbounded; else the tree evicts storage objects by LRU above this many GiB.
     capacity_gb: float | None = None
-    # Copy every completed CPU store to storage, so a restart or second instance finds it.
-    write_through: bool = True
+    # When host objects reach storage (the reference's write policies):
+    #   write_through: every completed CPU store (a restart or a second instance finds all);
+    #   write_through_selective: an object once matches reached it `write_threshold` times
+    #     (storage traffic only for prefixes that proved popular);
+    #   write_back: an object when the CPU tier evicts it, and everything at clean shutdown
+    #     (least traffic; a crash loses what was only on the host);
+    #   none: never (a reader that only uses what others stored).
+    write_policy: str = "write_through"
+    # Matches that make an object worth writing under write_through_selective (reference: 2).
+    write_threshold: int = 2
     # `timeout` is the only policy that both waits for storage and bounds the wait.
     prefetch_policy: str = "timeout"
     # Reference (SGLang HiCache) defaults: a fixed 2 s plus 0.1 s per 1024 tokens, capped at 30 s.
@@ -112,10 +121,17 @@ class StorageConfig:
         cap = d.get("capacity_gb")
         if cap is not None:
             kw["capacity_gb"] = _float(d, "capacity_gb", 0.0, positive=True)
-        if "write_through" in d:
+        policy = d.get("write_policy", cls.write_policy)
+        if "write_through" in d:  # older spelling: true = write_through, false = none
             if not isinstance(d["write_through"], bool):
                 raise _err("write_through", f"expected true/false, got {d['write_through']!r}")
-            kw["write_through"] = d["write_through"]
+            if "write_policy" in d:
+                raise _err("write_through", "give either 'write_through' or 'write_policy'")
+            policy = "write_through" if d["write_through"] else "none"
+        if policy not in WRITE_POLICIES:
+            raise _err("write_policy", f"{policy!r} is not one of {', '.join(WRITE_POLICIES)}")
+        kw["write_policy"] = policy
+        kw["write_threshold"] = _int(d, "write_threshold", cls.write_threshold, minimum=1)
         policy = d.get("prefetch_policy", cls.prefetch_policy)
         if policy not in PREFETCH_POLICIES:
             raise _err(

@@ -3,13 +3,14 @@
 ``tree.HybridRadixTree`` is the contract (what a caller may do and what it costs); the other
 modules are its parts, one concern each: ``node`` (a run of blocks and its tier bits),
 ``forest`` (the shape), ``eviction`` (who goes next), ``maintenance`` (invariants P and B),
-``slot_allocator`` (host slot indices) and ``invariants`` (the checker the tests run).
+``slot_allocator`` (host slot indices), ``results`` (match results and lock handles) and ``invariants`` (the checker the tests run).
 """
 
 from .invariants import check_invariants
 from .node import ALL_TIERS, GPU, HOST, LOADABLE, NO_SLOT, PENDING, STORAGE
+from .results import LockHandle, MatchResult
 from .slot_allocator import SlotAllocator
-from .tree import HybridRadixTree, LockHandle, MatchResult
+from .tree import HybridRadixTree
 
 __all__ = [
     "ALL_TIERS",

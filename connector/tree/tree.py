@@ -36,62 +36,25 @@ Where the rest lives: ``forest.py`` (shape: paths, splits, pending maps), ``evic
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 from .eviction import EvictionPolicy
 from .forest import Forest
 from .maintenance import Maintenance
 from .node import GPU, HOST, LOADABLE, NO_SLOT, PENDING, STORAGE, Node, common_prefix
+from .results import LockHandle, MatchResult
 from .slot_allocator import SlotAllocator
 
 _COUNTERS = (
     "hits", "misses", "kv_evicted", "mamba_evicted", "kv_cascaded", "mamba_cascaded",
     "alloc_failures", "stores_committed", "stores_rolled_back", "stale_completions",
-    "nodes_trimmed",
+    "nodes_trimmed", "kv_written_back", "mamba_written_back", "states_replaced",
 )  # fmt: skip
 
-
-@dataclass
-class MatchResult:
-    """A hybrid hit: KV for blocks ``[start_block, num_blocks)`` plus the Mamba state at
-    ``num_blocks``. ``kv_slots[j]`` is the host slot of block ``start_block + j``, or
-    ``NO_SLOT`` when that block is only in storage (listed in ``storage_blocks``: the
-    prefetch plan). ``host_num_blocks`` is the deepest hit that needs no prefetch at all.
-    ``boundaries`` lists every boundary in ``(start_block, num_blocks]`` with a loadable
-    state, ascending, as ``(boundary, state_on_host)``: a planner that cannot reserve the
-    whole plan falls back to the deepest one whose storage-only blocks it holds."""
-
-    num_blocks: int
-    start_block: int
-    partition: Hashable
-    kv_slots: list[int] = field(default_factory=list)
-    storage_blocks: list[int] = field(default_factory=list)
-    mamba_slot: int = NO_SLOT
-    mamba_in_storage: bool = False
-    host_num_blocks: int = 0
-    boundaries: list[tuple[int, bool]] = field(default_factory=list)
-    _node: Node | None = field(default=None, repr=False, compare=False)
-    _host_node: Node | None = field(default=None, repr=False, compare=False)
-
-    def state_slot(self, host_only: bool = False) -> int:
-        """Host Mamba slot of the state this hit loads: the ``host_num_blocks`` hit's when
-        ``host_only``, else the full hit's (``NO_SLOT`` while that state is storage-only)."""
-        node = self._host_node if host_only else self._node
-        if node is None:
-            raise ValueError("no hit: the result has no state to load")
-        return node.mamba_slot
-
-
-@dataclass(eq=False)
-class LockHandle:
-    """What one pending load (or one pin) locked, recorded at lock time and never
-    re-derived (#27147): ``kv_node`` and its whole path hold one ``kv_lock`` each,
-    ``mamba_node`` (``kv_node`` itself, or None) one ``mamba_lock``."""
-
-    kv_node: Node | None
-    mamba_node: Node | None
-    pinned: bool = False
-    released: bool = False
+# Called for a host block (``is_state`` False) or a host Mamba state (True) that LRU eviction is
+# about to free and that storage does not hold yet: (is_state, host slot, key hash) -> whether
+# its bytes will be written to storage before the slot is reused (write-back). If so, the tree
+# keeps it as a storage entry instead of losing it.
+WriteBack = Callable[[bool, int, bytes], bool]
 
 
 class HybridRadixTree:
@@ -118,6 +81,7 @@ class HybridRadixTree:
             self.forest, self.kv_slots, self.mamba_slots, self.policy, self.counters
         )
         self.handles: set[LockHandle] = set()
+        self.write_back: WriteBack | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -148,7 +112,6 @@ class HybridRadixTree:
                 break
             size = len(child.hashes)
             k = common_prefix(child.hashes, hashes, pos, min(size, limit - pos))
-            child.hits += 1
             lo = start_block - pos
             if lo < k and child.n_load != size:
                 i, flags = max(lo, 0), child.flags
@@ -196,9 +159,51 @@ class HybridRadixTree:
         return res
 
     def hit_count(self, hashes: Sequence[bytes], partition: Hashable, block_index: int) -> int:
-        """How many matches walked through block ``block_index`` (selective write-through)."""
+        """How many loads used block ``block_index`` (selective write-through counts these:
+        a lookup that only walks the path, or asks again, is no use of it)."""
         found = self.forest.locate(hashes, partition, block_index + 1)
         return 0 if found is None else found[0].hits
+
+    def depth(self, hashes: Sequence[bytes], partition: Hashable) -> int:
+        """How many leading blocks of ``hashes`` the tree knows, in any tier or none: the
+        point where this request leaves every path seen before (its junction)."""
+        node, pos = self.forest.roots.get(partition), 0
+        while node is not None and pos < len(hashes):
+            child = node.children.get(hashes[pos])
+            if child is None:
+                break
+            k = min(len(child.hashes), len(hashes) - pos)
+            m = common_prefix(child.hashes, hashes, pos, k)
+            pos += m
+            if m < len(child.hashes):
+                break
+            node = child
+        return pos
+
+    def hot_objects(self, result: MatchResult, threshold: int) -> list[tuple[bool, int, bytes]]:
+        """Host blocks and the host state of a locked host hit that loads have used at least
+        ``threshold`` times (this one included) and storage does not hold: ``(is_state, slot, hash)`` each,
+        now marked as in storage (the caller writes them while the hit's lock protects the
+        slots). Selective write-through: only what proved popular costs storage traffic."""
+        node = result._host_node
+        out: list[tuple[bool, int, bytes]] = []
+        if node is None:
+            return out
+        if node.hits >= threshold and node.mamba & HOST and not node.mamba & STORAGE:
+            node.mamba |= STORAGE
+            out.append((True, node.mamba_slot, node.hashes[-1]))
+        x: Node = node
+        while x.parent is not None and x.end > result.start_block:
+            if x.hits >= threshold and x.n_host:
+                flags, slots = x.flags, x.slots
+                assert slots is not None
+                for i in range(max(result.start_block - x.start, 0), len(flags)):
+                    f = flags[i]
+                    if f & HOST and not f & STORAGE:
+                        x.set_flag(i, f | STORAGE)
+                        out.append((False, slots[i], x.hashes[i]))
+            x = x.parent
+        return out
 
     # ------------------------------------------------------------------ loads and pins
     def lock(self, result: MatchResult, host_only: bool = False) -> LockHandle | None:
@@ -207,7 +212,12 @@ class HybridRadixTree:
         node = result._host_node if host_only else result._node
         if node is None or node.parent is None or not node.mamba & LOADABLE:
             return None
-        return self._lock(node, state=True, pinned=False)
+        handle = self._lock(node, state=True, pinned=False)
+        x = node
+        while x.parent is not None:
+            x.hits += 1
+            x = x.parent
+        return handle
 
     def pin(self, hashes: Sequence[bytes], partition: Hashable, num_blocks: int) -> LockHandle:
         """Keep blocks ``[0, num_blocks)`` where they are while a prefetch fills the rest:
@@ -387,6 +397,10 @@ class HybridRadixTree:
                 i -= 1
                 f = flags[i]
                 if f & HOST:
+                    wb = self.write_back
+                    if wb is not None and not f & STORAGE and wb(False, slots[i], x.hashes[i]):
+                        f |= STORAGE  # written back before the slot is reused: still live
+                        self.counters["kv_written_back"] += 1
                     self.kv_slots.free(slots[i])
                     slots[i] = NO_SLOT
                     x.set_flag(i, f & ~HOST)
@@ -408,15 +422,38 @@ class HybridRadixTree:
             x = self.policy.mamba_victim()
             if x is None:
                 break
+            wb = self.write_back
+            if wb is not None and not x.mamba & STORAGE and wb(True, x.mamba_slot, x.hashes[-1]):
+                x.mamba |= STORAGE
+                self.counters["mamba_written_back"] += 1
             self.mamba_slots.free(x.mamba_slot)
             x.mamba_slot = NO_SLOT
             x.mamba &= ~HOST
-            x.tombstone = True
+            x.tombstone = not x.mamba & STORAGE
             self.policy.sync_mamba(x)
             freed += 1
             self.counters["mamba_evicted"] += 1
             self.maint.prune(x)
         return freed
+
+    def drop_state(self, hashes: Sequence[bytes], partition: Hashable, num_blocks: int) -> bool:
+        """Free the host Mamba state at boundary ``num_blocks`` now (a request's newer decode
+        state replaces its older one); False if there is none or a load holds it."""
+        found = self.forest.locate(hashes, partition, num_blocks)
+        if found is None:
+            return False
+        x = found[0]
+        if x.end != num_blocks or not x.mamba & HOST or x.mamba_lock:
+            return False
+        self.mamba_slots.free(x.mamba_slot)
+        x.mamba_slot = NO_SLOT
+        x.mamba &= ~HOST
+        x.tombstone = not x.mamba
+        self.policy.sync_mamba(x)
+        self.counters["states_replaced"] += 1
+        self.maint.prune(x)
+        self._finish()
+        return True
 
     def reset(self) -> None:
         """Forget every tier of every block (e.g. new weights): what is not held goes now;

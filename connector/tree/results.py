@@ -1,0 +1,51 @@
+"""What the tree hands out: a match (the hit and its prefetch plan) and a lock handle."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from .node import NO_SLOT, Node
+
+
+@dataclass
+class MatchResult:
+    """A hybrid hit: KV for blocks ``[start_block, num_blocks)`` plus the Mamba state at
+    ``num_blocks``. ``kv_slots[j]`` is the host slot of block ``start_block + j``, or
+    ``NO_SLOT`` when that block is only in storage (listed in ``storage_blocks``: the
+    prefetch plan). ``host_num_blocks`` is the deepest hit that needs no prefetch at all.
+    ``boundaries`` lists every boundary in ``(start_block, num_blocks]`` with a loadable
+    state, ascending, as ``(boundary, state_on_host)``: a planner that cannot reserve the
+    whole plan falls back to the deepest one whose storage-only blocks it holds."""
+
+    num_blocks: int
+    start_block: int
+    partition: Hashable
+    kv_slots: list[int] = field(default_factory=list)
+    storage_blocks: list[int] = field(default_factory=list)
+    mamba_slot: int = NO_SLOT
+    mamba_in_storage: bool = False
+    host_num_blocks: int = 0
+    boundaries: list[tuple[int, bool]] = field(default_factory=list)
+    _node: Node | None = field(default=None, repr=False, compare=False)
+    _host_node: Node | None = field(default=None, repr=False, compare=False)
+
+    def state_slot(self, host_only: bool = False) -> int:
+        """Host Mamba slot of the state this hit loads: the ``host_num_blocks`` hit's when
+        ``host_only``, else the full hit's (``NO_SLOT`` while that state is storage-only)."""
+        node = self._host_node if host_only else self._node
+        if node is None:
+            raise ValueError("no hit: the result has no state to load")
+        return node.mamba_slot
+
+
+@dataclass(eq=False)
+class LockHandle:
+    """What one pending load (or one pin) locked, recorded at lock time and never
+    re-derived (#27147): ``kv_node`` and its whole path hold one ``kv_lock`` each,
+    ``mamba_node`` (``kv_node`` itself, or None) one ``mamba_lock``."""
+
+    kv_node: Node | None
+    mamba_node: Node | None
+    pinned: bool = False
+    released: bool = False
