@@ -126,6 +126,12 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--cpu-cache-gb", type=float, default=0.25)
     ap.add_argument(
+        "--block-size",
+        type=int,
+        default=128,
+        help="scheduler block size (vLLM picks 128 for the tests' hybrid on CPU; GPUs larger)",
+    )
+    ap.add_argument(
         "--repeats", type=int, default=3, help="rounds; engines alternate within each round"
     )
     ap.add_argument("--out", type=Path, help="write results as JSON here")
@@ -133,11 +139,12 @@ def main() -> None:
     logging.getLogger("vllm").setLevel(logging.ERROR)
     logging.getLogger("himamba").setLevel(logging.ERROR)
 
-    bs = 16
+    bs = args.block_size
     max_len = args.prompt_tokens + args.max_tokens + bs
     # Attention blocks for every token of every request, plus 2-3 Mamba blocks each.
     num_blocks = args.requests * (-(-max_len // bs) + 4) + 64
     base = EngineSpec(
+        block_size=bs,
         num_gpu_blocks=num_blocks,
         max_num_seqs=args.requests,
         max_num_batched_tokens=args.max_batched_tokens,

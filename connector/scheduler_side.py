@@ -259,14 +259,17 @@ class SchedulerHalf:
                 continue
             hashes = self.block_hashes(request)
             part = request_partition(request)
-            for i in range(tracked.next_store_block, full):
-                group_blocks = [block_ids[g.group_id][i] for g in self.layout.attention]
-                if any(b == 0 for b in group_blocks):
+            attention = [block_ids[g.group_id] for g in self.layout.attention]
+            rolled_back = []
+            for i, slot in self.tree.reserve_kv_run(hashes, part, tracked.next_store_block, full):
+                group_blocks = [row[i] for row in attention]
+                if any(b == 0 for b in group_blocks):  # no device block to copy from
+                    rolled_back.append(slot)
                     continue
-                slot = self.tree.reserve_kv(hashes, part, i)
-                if slot is not None:
-                    plan.kv_stores.add(slot, group_blocks, hashes[i])
-                    self.counters["kv_blocks_stored"] += 1
+                plan.kv_stores.add(slot, group_blocks, hashes[i])
+                self.counters["kv_blocks_stored"] += 1
+            if rolled_back:
+                self.tree.complete_store(rolled_back, [], ok=False)
             tracked.next_store_block = full
 
     def _plan_mamba_stores(

@@ -147,3 +147,52 @@ def test_server_chat_request_with_text_works_and_repeats_identically(server):
     second = requests.post(f"{server}/v1/chat/completions", json=body, timeout=120)
     assert second.status_code == 200, second.text
     assert first.json()["choices"][0]["message"] == second.json()["choices"][0]["message"]
+
+
+@pytest.fixture(scope="module")
+def block(granite_model: Path) -> int:
+    """The engine's scheduler block size (vLLM derives it at start-up)."""
+    return run_scenario("baseline", {"model": str(granite_model), "prompts": [prompt(3, 8)]})[
+        "block_size"
+    ]
+
+
+def chat(base: str, messages: list[dict[str, str]], max_tokens: int) -> dict:
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        # Keep special ids (pad/bos/eos/unk) out of the answer, so its text re-tokenizes to
+        # the very ids generated and turn 2's rendered prompt extends turn 1's token for token.
+        "logit_bias": {str(i): -100 for i in range(7)},
+    }
+    resp = requests.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_second_chat_turn_hits_through_the_first_answer(server, block):
+    first = [{"role": "user", "content": " ".join(f"t{11 + i % 900}" for i in range(560))}]
+    r1 = chat(server, first, max_tokens=160)
+    answer = r1["choices"][0]["message"]["content"]
+    p1, c1 = r1["usage"]["prompt_tokens"], r1["usage"]["completion_tokens"]
+    second = [
+        *first,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": " ".join(f"t{500 + i}" for i in range(40))},
+    ]
+    assert requests.post(f"{server}/reset_prefix_cache", timeout=30).status_code == 200
+    before = external_hits(server)
+    r2 = chat(server, second, max_tokens=8)
+    hits = external_hits(server) - before
+    p2 = r2["usage"]["prompt_tokens"]
+    assert p2 > p1 + c1  # the rendered conversation: turn 1, its answer, the new message
+    # Through turn 1's answer, to the last block boundary vLLM computed in turn 1.
+    assert hits == (p1 + c1 - 1) // block * block
+    assert hits > (p1 - 1) // block * block  # deeper than turn 1's prompt alone
+    # And the hit changes nothing: the same turn recomputed from scratch answers the same.
+    requests.post(f"{server}/reset_prefix_cache?reset_external=true", timeout=30)
+    again = chat(server, second, max_tokens=8)
+    assert again["choices"][0]["message"] == r2["choices"][0]["message"]

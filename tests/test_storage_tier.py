@@ -412,3 +412,14 @@ def test_tiers_import_without_lmcache_and_adapter_import_skips_lazy_loader(stora
     heavy = [m for m in sys.modules if m.endswith(("aerospike_l2_adapter", "bigtable_l2_adapter"))]
     assert heavy == [], heavy
     assert os.path.isdir(storage_dir / "tmp")
+
+
+def test_write_policy_and_its_older_spelling() -> None:
+    assert StorageConfig.from_dict({"url": "/x"}).write_policy == "write_through"
+    assert StorageConfig.from_dict({"url": "/x", "write_through": False}).write_policy == "none"
+    cfg = StorageConfig.from_dict({"url": "/x", "write_policy": "write_back"})
+    assert cfg.write_policy == "write_back" and cfg.write_threshold == 2
+    with pytest.raises(ValueError, match="storage.write_policy"):
+        StorageConfig.from_dict({"url": "/x", "write_policy": "sometimes"})
+    with pytest.raises(ValueError, match="storage.write_through"):
+        StorageConfig.from_dict({"url": "/x", "write_through": True, "write_policy": "none"})

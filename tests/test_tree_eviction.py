@@ -148,3 +148,24 @@ def test_budget_never_drops_a_pinned_storage_only_path() -> None:
     tree.mark_storage(chain("yz"), None, 2, state_ends=[2])
     assert tree.num_nodes == 3
     assert tree.match(h).num_blocks == 4  # released: its least recently seen leaf went
+
+
+def test_a_run_of_stores_reserves_in_one_walk_and_never_cuts_its_own_prefix() -> None:
+    tree = HybridRadixTree(6, 4)
+    a, b = chain(8, salt="a"), chain(2, salt="b")
+    got = tree.reserve_kv_run(a, None, 0, 4)
+    assert [i for i, _ in got] == [0, 1, 2, 3]
+    tree.complete_store([s for _, s in got], [])
+    store(tree, b)  # the pool is full now
+    # Blocks 4..7 need 4 slots: eviction takes a's tail host block first (a's node is the
+    # LRU leaf), then b's two; a's node, holding pending stores now, is not evictable, so the
+    # run stops at block 7. a's evicted block stays alive on the GPU (the request holds it),
+    # so no hole cuts the new blocks off their prefix.
+    more = tree.reserve_kv_run(a, None, 4, 8)
+    assert [i for i, _ in more] == [4, 5, 6]
+    tree.complete_store([s for _, s in more], [])
+    check_invariants(tree)
+    assert tree.depth(a, None) == 8
+    assert all(f for x in tree.iter_nodes() if x.hashes[0] == a[0] for f in x.flags)
+    # The next run re-stores what left the host first (block 3), as far as slots allow.
+    assert [i for i, _ in tree.reserve_kv_run(a, None, 0, 8)] == [3]

@@ -101,7 +101,7 @@ class StorageConfig:
         """Parse the user's `storage` section; raise `ValueError('storage.<key>: ...')`."""
         if not isinstance(d, Mapping):
             raise ValueError(f"{_PREFIX}: expected a mapping, got {type(d).__name__}")
-        known = set(cls.__dataclass_fields__)
+        known = set(cls.__dataclass_fields__) | {"write_through"}  # older spelling of a policy
         for k in d:
             if k not in known:
                 raise _err(str(k), "unknown key")

@@ -303,6 +303,46 @@ class HybridRadixTree:
         self._finish()
         return slot
 
+    def reserve_kv_run(
+        self, hashes: Sequence[bytes], partition: Hashable, start: int, end: int
+    ) -> list[tuple[int, int]]:
+        """Host slots for the blocks of ``[start, end)`` a request just computed, in one walk:
+        ``(block index, slot)`` for each block not already on host or in flight, in order,
+        stopping at the first block no slot can be found for. The request holds blocks
+        ``[0, end)`` on GPU, so they are all marked GPU first: an eviction that the
+        allocations below cause can then never cut a hole into this path."""
+        if not 0 <= start < end <= len(hashes):
+            raise IndexError((start, end))
+        path = self.forest.ensure_path(hashes, partition, end)
+        for x in path:
+            upto = min(len(x.hashes), end - x.start)
+            if x.n_gpu < upto:
+                flags = x.flags
+                for i in range(upto):
+                    x.set_flag(i, flags[i] | GPU)
+        out: list[tuple[int, int]] = []
+        full = False
+        for x in path:
+            if x.end <= start:
+                continue
+            flags = x.flags
+            for i in range(max(start - x.start, 0), min(len(flags), end - x.start)):
+                if flags[i] & (HOST | PENDING):
+                    continue
+                slot = self._alloc(self.kv_slots, self._evict_kv)
+                if slot is None:
+                    full = True
+                    break
+                x.set_flag(i, flags[i] | PENDING)
+                x.set_slot(i, slot)
+                self.forest.pending_kv[slot] = (x, i)
+                self.policy.withdraw_kv(x)
+                out.append((x.start + i, slot))
+            if full:
+                break
+        self._finish()
+        return out
+
     def reserve_mamba(
         self,
         hashes: Sequence[bytes],

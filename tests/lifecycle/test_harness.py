@@ -14,7 +14,10 @@ def test_engine_config_is_vllms_hybrid_prefix_caching_setup(make_engine):
     cache = engine.vllm_config.cache_config
     assert cache.enable_prefix_caching
     assert cache.mamba_cache_mode == "align"
-    assert cache.prefix_cache_retention_interval == 0  # vLLM's default: semantic boundaries only
+    # vLLM's default is 0 (prompt ends and junctions only); himamba's keep_decode_states sets it
+    # to the block size so states inside generated output reach the connector.
+    assert cache.prefix_cache_retention_interval == 16
+    assert engine.kv.scheduler_config.prefix_cache_retention_interval == 16
     assert engine.vllm_config.scheduler_config.enable_chunked_prefill
     assert engine.scheduler.need_mamba_block_aligned_split
     groups = engine.kv.scheduler_config.kv_cache_groups
