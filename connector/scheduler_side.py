@@ -83,6 +83,8 @@ class SchedulerHalf:
         # Host objects to write to storage this step (selective write-through, write-back),
         # collected while the step is scheduled and handed to the plan at its end.
         self._writes: list[tuple[int, int, bytes]] = []
+        # KV-cache events for routers (kv_events.KVEventTracker); None unless vLLM publishes.
+        self.events: Any = None
 
     def attach_storage(self, planner: StoragePlanner) -> None:
         """Storage behind the CPU tier; its write policy decides when host objects reach it."""
@@ -203,6 +205,9 @@ class SchedulerHalf:
         self._inflight[req_id] = pending.handle
         self.counters["loads"] += 1
         self.counters["hit_tokens"] += num_external_tokens
+        self.counters["hit_tokens_storage"] += self.hit_sources(req_id, num_external_tokens)[1]
+        if self.events is not None:
+            self.events.loaded(request, start, n)
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> tuple[int, int]:
         """(host tokens, storage tokens) of a request's external hit."""
@@ -261,6 +266,7 @@ class SchedulerHalf:
             part = request_partition(request)
             attention = [block_ids[g.group_id] for g in self.layout.attention]
             rolled_back = []
+            events = self.events
             for i, slot in self.tree.reserve_kv_run(hashes, part, tracked.next_store_block, full):
                 group_blocks = [row[i] for row in attention]
                 if any(b == 0 for b in group_blocks):  # no device block to copy from
@@ -268,6 +274,8 @@ class SchedulerHalf:
                     continue
                 plan.kv_stores.add(slot, group_blocks, hashes[i])
                 self.counters["kv_blocks_stored"] += 1
+                if events is not None:
+                    events.planned_kv(request, i, hashes[i])
             if rolled_back:
                 self.tree.complete_store(rolled_back, [], ok=False)
             tracked.next_store_block = full
@@ -302,6 +310,8 @@ class SchedulerHalf:
                 if slot is not None:
                     plan.mamba_stores.add(slot, [per_group[g] for g in mamba_groups], hashes[n - 1])
                     self.counters["mamba_states_stored"] += 1
+                    if self.events is not None:
+                        self.events.planned_state(tracked.request, n, hashes[n - 1])
                 if replaces and self.tree.drop_state(hashes, part, replaces // bs):
                     self.counters["mamba_states_replaced"] += 1
 

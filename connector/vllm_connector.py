@@ -19,10 +19,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from himamba.connector.config import HiMambaConfig
 from himamba.connector.jobs import StepPlan
+from himamba.connector.kv_events import (
+    HiMambaWorkerEvents,
+    KVEventTracker,
+    events_enabled,
+    group_kinds,
+    storage_medium,
+)
 from himamba.connector.layout import HybridLayout, UnsupportedLayout, build_layout
+from himamba.connector.metrics import HiMambaPromMetrics, HiMambaStats
 from himamba.connector.ranks import worker_rank
 from himamba.connector.scheduler_side import SchedulerHalf
-from himamba.connector.stats import HiMambaStats
+from himamba.connector.stats import SchedulerStats, WorkerStats
 from himamba.connector.storage_plan import StoragePlanner
 from himamba.connector.storage_setup import open_store, storage_config, storage_namespace
 from himamba.connector.worker_meta import HiMambaWorkerMeta
@@ -115,7 +123,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         self.layout: HybridLayout | None = None
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
-        self._reported: dict[str, float] = {}
+        self._stats: SchedulerStats | WorkerStats | None = None
+        self._events: KVEventTracker | None = None
         try:
             self.layout = build_layout(vllm_config, kv_cache_config)
         except UnsupportedLayout as exc:
@@ -145,6 +154,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             if scfg is not None:
                 opener = self._storage_opener(vllm_config, scfg, worker_rank())
             self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots, opener)
+        self._init_observability(vllm_config, kv_cache_config)
 
     def _storage_opener(self, vllm_config: Any, scfg: Any, rank: int) -> Any:
         layout = self.layout
@@ -184,6 +194,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._events is not None:
+            self._absorb_worker_events(getattr(connector_output, "kv_cache_events", None))
         if self.scheduler is not None:
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
             acks = meta.fetch_acks if isinstance(meta, HiMambaWorkerMeta) else ()
@@ -272,17 +284,70 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         finished, failed = self.worker.take_results()
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
+    # -- metrics and KV events (both roles) -----------------------------------------------
+    def _init_observability(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        """Stats sources for both roles; KV events only when vLLM publishes them (otherwise no
+        tracker exists and the tree has no observer: no per-step cost)."""
+        enabled = events_enabled(vllm_config)
+        if self.worker is not None:
+            self._stats = WorkerStats(self.worker)
+            self.worker.record_storage_events = enabled and self.storage_config is not None
+            return
+        if self.scheduler is None or self.layout is None:
+            return
+        self._stats = SchedulerStats(self.scheduler)
+        if not enabled:
+            return
+        scfg = self.storage_config
+        tracker = KVEventTracker(
+            self.layout,
+            group_kinds(self.layout, kv_cache_config),
+            storage_medium=None if scfg is None else storage_medium(scfg.adapter),
+            world_size=self._world_size,
+            write_through=scfg is not None and scfg.write_policy == "write_through",
+        )
+        self._events = tracker
+        self.scheduler.events = tracker
+        self.scheduler.tree.set_observer(tracker)
+
     def get_kv_connector_stats(self) -> HiMambaStats | None:
-        if self.worker is None:
-            return None
-        current = self.worker.all_counters()
-        delta = {k: v - self._reported.get(k, 0) for k, v in current.items()}
-        self._reported = current
-        return HiMambaStats.from_counters(delta)
+        """This interval's deltas (scheduler: hits, CPU tier, occupancy; worker: copies and
+        storage traffic); None when nothing changed. See ``connector.metrics``."""
+        return None if self._stats is None else self._stats.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiMambaStats:
         return HiMambaStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> HiMambaPromMetrics:
+        return HiMambaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_kv_cache_events(self) -> HiMambaWorkerEvents | None:
+        """Worker role: this step's storage outcomes, for the scheduler to announce."""
+        storage = None if self.worker is None else self.worker.storage
+        outcomes = None if storage is None else storage.outcomes
+        if not outcomes:
+            return None
+        storage.outcomes = []  # type: ignore[union-attr]
+        return HiMambaWorkerEvents(outcomes)
+
+    def _absorb_worker_events(self, events: Any) -> None:
+        if isinstance(events, HiMambaWorkerEvents) and events.outcomes:
+            assert self._events is not None and self.scheduler is not None
+            storage = self.scheduler.storage
+            self._events.absorb(events.outcomes, "" if storage is None else storage.epoch)
+
+    def take_events(self) -> Any:
+        """Scheduler role: our tiers' BlockStored / BlockRemoved events of this step, published
+        by vLLM's own KV-event publisher with its GPU events (see ``connector.kv_events``)."""
+        return () if self._events is None else self._events.take()
 
     # -- introspection (tests, demo) ---------------------------------------------------
     def leak_report(self) -> dict[str, Any]:

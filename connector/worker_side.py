@@ -17,6 +17,7 @@ import torch
 
 from himamba.connector.jobs import LoadJob, StepPlan, StoreBatch
 from himamba.connector.layout import GroupLayout, HybridLayout
+from himamba.connector.metrics import StatsRecorder
 from himamba.connector.worker_storage import WorkerStorage
 from himamba.mamba_state.snapshot import NULL_BLOCK, MambaSnapshotter
 from himamba.tiers.cpu_pool import HostSlotPool
@@ -57,6 +58,10 @@ class WorkerHalf:
             "store_seconds": 0.0,
             "loads_failed": 0,
         }
+        # Per-operation observations for the Prometheus histograms (connector.stats drains it).
+        self.recorder = StatsRecorder()
+        # Set by the connector when vLLM publishes KV events: storage outcomes are then kept.
+        self.record_storage_events = False
 
     # -- setup ---------------------------------------------------------------
     def register(self, kv_caches: dict[str, Any]) -> None:
@@ -71,6 +76,8 @@ class WorkerHalf:
         )
         if self._open_storage is not None:
             self.storage = self._open_storage({KV: self.kv_pool, MAMBA: mamba_pool})
+            if self.record_storage_events:
+                self.storage.outcomes = []
         logger.info(
             "himamba: host tier %d KV slots x %d B + %d Mamba slots x %d B (%.2f GiB)",
             self.kv_slots,
@@ -116,9 +123,12 @@ class WorkerHalf:
             self.storage.fetch(plan.fetches)
         for job in plan.loads:
             start = time.perf_counter()
+            moved = self.counters["bytes_loaded"]
             try:
                 self._load(job)
                 self._finished.add(job.req_id)
+                self.recorder.observe("load_seconds", time.perf_counter() - start)
+                self.recorder.observe("load_bytes", self.counters["bytes_loaded"] - moved)
             except Exception as exc:  # noqa: BLE001 - any failure must become a recompute
                 logger.warning("himamba: load for %s failed: %s", job.req_id, exc)
                 self.counters["loads_failed"] += 1
@@ -159,7 +169,11 @@ class WorkerHalf:
             stores = ((KV, plan.kv_stores), (MAMBA, plan.mamba_stores))
             for kind, batch in stores:
                 self.storage.on_stored(kind, batch.slots, batch.hashes, plan.epoch)
-        self.counters["store_seconds"] += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.counters["store_seconds"] += elapsed
+        if moved:
+            self.recorder.observe("store_seconds", elapsed)
+            self.recorder.observe("store_bytes", moved)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         if self.storage is not None:

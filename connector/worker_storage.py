@@ -19,10 +19,14 @@ from typing import Any
 import torch
 
 from himamba.connector.fetch_protocol import FetchAck, FetchOrder
+from himamba.connector.kv_events import StorageOp, StorageOutcome
+from himamba.connector.metrics import StatsRecorder
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.object_format import ObjectKind, StorageKey, stored_size
 
 logger = logging.getLogger(__name__)
+
+_SERIES = {int(ObjectKind.KV): "storage,kv", int(ObjectKind.MAMBA): "storage,mamba"}
 
 
 @dataclass
@@ -75,6 +79,11 @@ class WorkerStorage:
             ),
             0,
         )
+        # Metrics: per-op histograms and per-kind counts; submit time of each live store task.
+        self.recorder = StatsRecorder()
+        self._started: dict[int, float] = {}
+        # KV events (connector.kv_events): a list while vLLM publishes them, else None.
+        self.outcomes: list[StorageOutcome] | None = None
 
     # -- writes ----------------------------------------------------------------------
     def on_stored(
@@ -106,6 +115,7 @@ class WorkerStorage:
         # so the slot may be overwritten by a later step at once.
         tid = self.store.submit_put(keys, [pool.slot_segments(s) for s in slots])
         self._puts[tid] = keys
+        self._started[tid] = time.monotonic()
 
     def flush_dirty(self) -> int:
         """write_back at a clean shutdown: everything only the host had goes to storage."""
@@ -135,6 +145,7 @@ class WorkerStorage:
             ]
             tid = self.store.submit_get(keys, bufs)
             self._gets[tid] = _Get(order, bufs)
+            self._started[tid] = time.monotonic()
             self._fetch_tasks[order.fetch_id] = tid
 
     def outstanding(self) -> bool:
@@ -142,15 +153,36 @@ class WorkerStorage:
 
     def poll(self) -> None:
         for res in self.store.poll():
+            started = self._started.pop(res.task_id, None)
             get = self._gets.pop(res.task_id, None)
             if get is not None:
                 self._fetch_tasks.pop(get.order.fetch_id, None)
+                before = self.counters["storage_bytes_read"]
                 self._finish_get(get, res)
+                moved = self.counters["storage_bytes_read"] - before
+                self._observe("fetch", started, res, moved)
                 continue
             keys = self._puts.pop(res.task_id, None)
             if keys is not None:
+                before = self.counters["storage_bytes_written"]
                 self._finish_put(keys, res)
+                moved = self.counters["storage_bytes_written"] - before
+                self._observe("write", started, res, moved)
             # Anything else is a task of a cancelled fetch: its buffers are simply dropped.
+
+    def _observe(self, op: str, started: float | None, res: Any, nbytes: float) -> None:
+        # The store's own completion time when it stamps one (monotonic); else now, which for a
+        # write finished while the engine idled includes the idle time until the next step.
+        if started is not None:
+            done = getattr(res, "finished_at", 0.0) or time.monotonic()
+            self.recorder.observe("storage_op_seconds", max(done - started, 0.0), op)
+        if nbytes:
+            self.recorder.observe("storage_op_bytes", nbytes, op)
+
+    def _outcome(self, op: StorageOp, key: StorageKey) -> None:
+        assert self.outcomes is not None  # the key's third field carries the epoch (see _put)
+        outcome = StorageOutcome(op, self.rank, int(key.kind), key.block_hash, key.cache_salt)
+        self.outcomes.append(outcome)
 
     def _finish_get(self, get: _Get, res: Any) -> None:
         oks: list[bool] = []
@@ -163,6 +195,9 @@ class WorkerStorage:
                 self.counters["storage_bytes_read"] += buf.numel()
             else:
                 self.counters["storage_gets_failed"] += 1
+                if self.outcomes is not None and res.error is None:  # missing or invalid here
+                    gone = (StorageOp.REMOVED, self.rank, item.kind, item.block_hash)
+                    self.outcomes.append(StorageOutcome(*gone, get.order.epoch))
             oks.append(ok)
         self._acks.append(FetchAck(get.order.fetch_id, self.rank, tuple(oks)))
 
@@ -179,10 +214,15 @@ class WorkerStorage:
                     "storage_puts_skipped" if res.error == "backpressure" else "storage_puts_failed"
                 )
                 self.counters[kind] += 1
+                if self.outcomes is not None:
+                    self._outcome(StorageOp.WRITE_FAILED, key)
                 continue
             size = stored_size(self.pools[int(key.kind)].slot_bytes)
             self.counters["storage_puts_ok"] += 1
             self.counters["storage_bytes_written"] += size
+            self.recorder.add("stores", 1, _SERIES[int(key.kind)])
+            if self.outcomes is not None:
+                self._outcome(StorageOp.WRITTEN, key)
             if self._lru is not None:
                 if key not in self._lru:
                     self._lru[key] = size
@@ -201,6 +241,10 @@ class WorkerStorage:
         if victims:
             self.store.submit_delete(victims)
             self.counters["storage_evictions"] += len(victims)
+            for key in victims:
+                self.recorder.add("evictions", 1, _SERIES[int(key.kind)])
+                if self.outcomes is not None:
+                    self._outcome(StorageOp.REMOVED, key)
 
     # -- lifecycle -----------------------------------------------------------------------
     def flush(self, timeout_s: float) -> bool:

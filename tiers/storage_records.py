@@ -63,6 +63,9 @@ class TaskResult:
     op: OpKind
     ok: tuple[bool, ...]
     error: TaskError | None = None
+    # time.monotonic() when the store finished it: latency metrics must not include the time
+    # until the caller next polled (an idle engine polls late).
+    finished_at: float = 0.0
 
     @property
     def num_ok(self) -> int:

@@ -462,7 +462,9 @@ class TaskPipeline:
             t.on_done(t, error)
         else:
             with self._cv:
-                self._results[t.id] = TaskResult(t.id, t.op, tuple(t.ok), error)
+                self._results[t.id] = TaskResult(
+                    t.id, t.op, tuple(t.ok), error, finished_at=time.monotonic()
+                )
                 self._cv.notify_all()
         return True
 

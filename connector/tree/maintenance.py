@@ -19,6 +19,8 @@ same conservation check as every slot the tree allocates.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .eviction import EvictionPolicy, kv_evictable
 from .forest import Forest
 from .node import HOST, NO_SLOT, Node
@@ -41,12 +43,13 @@ class Maintenance:
         self.mamba_slots = mamba_slots
         self.policy = policy
         self.counters = counters
+        self.observer: Any = None  # the tree's HostObserver (set_observer), told of freed slots
 
     def kill_from(self, node: Node, first: int) -> int:
         """Drop every tier of blocks ``node[first:]``, the state at its end and the whole
         subtree, except what is held. Returns the number of host KV slots freed."""
         freed = 0
-        doomed, policy = self.forest.doomed, self.policy
+        doomed, policy, obs = self.forest.doomed, self.policy, self.observer
         stack, seen = [(node, first)], []
         while stack:
             x, i = stack.pop()
@@ -61,6 +64,8 @@ class Maintenance:
                         self.kv_slots.free(x.slots[j])  # type: ignore[index]
                         x.slots[j] = NO_SLOT  # type: ignore[index]
                         freed += 1
+                        if obs is not None:
+                            obs.host_kv(False, x.hashes[j])
                     if f:
                         x.set_flag(j, 0)
                 if x.mamba:
@@ -68,6 +73,8 @@ class Maintenance:
                         self.mamba_slots.free(x.mamba_slot)
                         x.mamba_slot = NO_SLOT
                         self.counters["mamba_cascaded"] += 1
+                        if obs is not None:
+                            obs.host_state(False, x.hashes[-1])
                     x.mamba = 0
                     policy.sync_mamba(x)
                 if not kv_evictable(x):

@@ -36,6 +36,7 @@ Where the rest lives: ``forest.py`` (shape: paths, splits, pending maps), ``evic
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Protocol
 
 from .eviction import EvictionPolicy
 from .forest import Forest
@@ -55,6 +56,17 @@ _COUNTERS = (
 # its bytes will be written to storage before the slot is reused (write-back). If so, the tree
 # keeps it as a storage entry instead of losing it.
 WriteBack = Callable[[bool, int, bytes], bool]
+
+
+class HostObserver(Protocol):
+    """Told whenever host bytes enter or leave the CPU tier: a KV block (``host_kv``) or a
+    Mamba state (``host_state``), by key hash (a state's is its node's last block hash).
+    Entering is a committed store or fetch; leaving is any freed host slot (eviction, the
+    cascade, a replaced state, reset). KV-cache events for routers are built from this."""
+
+    def host_kv(self, entered: bool, block_hash: bytes) -> None: ...
+
+    def host_state(self, entered: bool, block_hash: bytes) -> None: ...
 
 
 class HybridRadixTree:
@@ -82,6 +94,12 @@ class HybridRadixTree:
         )
         self.handles: set[LockHandle] = set()
         self.write_back: WriteBack | None = None
+        self.observer: HostObserver | None = None
+
+    def set_observer(self, observer: HostObserver | None) -> None:
+        """Report host-tier arrivals and departures to ``observer`` (None: nobody, no cost)."""
+        self.observer = observer
+        self.maint.observer = observer
 
     @property
     def num_nodes(self) -> int:
@@ -376,6 +394,7 @@ class HybridRadixTree:
         """Commit (``ok``) or roll back reserved slots. Unknown slots are counted, ignored."""
         touched: dict[int, Node] = {}
         pending_kv, pending_mamba = self.forest.pending_kv, self.forest.pending_mamba
+        obs = self.observer
         for slot in kv_slots:
             entry = pending_kv.pop(slot, None)
             if entry is None:
@@ -385,6 +404,8 @@ class HybridRadixTree:
             flag = node.flags[i] & ~PENDING
             if ok:
                 flag |= HOST
+                if obs is not None:
+                    obs.host_kv(True, node.hashes[i])
             else:
                 node.set_slot(i, NO_SLOT)
                 self.kv_slots.free(slot)
@@ -400,6 +421,8 @@ class HybridRadixTree:
             if ok:
                 mnode.mamba |= HOST
                 self.policy.sync_mamba(mnode, touch=True)
+                if obs is not None:
+                    obs.host_state(True, mnode.hashes[-1])
             else:
                 mnode.mamba_slot = NO_SLOT
                 self.mamba_slots.free(slot)
@@ -425,7 +448,7 @@ class HybridRadixTree:
         return freed
 
     def _evict_kv(self, num_blocks: int) -> int:
-        freed = 0
+        freed, obs = 0, self.observer
         while freed < num_blocks:
             x = self.policy.kv_victim()
             if x is None:
@@ -445,6 +468,8 @@ class HybridRadixTree:
                     slots[i] = NO_SLOT
                     x.set_flag(i, f & ~HOST)
                     freed += 1
+                    if obs is not None:
+                        obs.host_kv(False, x.hashes[i])
                     self.counters["kv_evicted"] += 1
                     if not flags[i]:
                         hole = i  # its last tier: what follows it dies (invariant P)
@@ -470,6 +495,8 @@ class HybridRadixTree:
             x.mamba_slot = NO_SLOT
             x.mamba &= ~HOST
             x.tombstone = not x.mamba & STORAGE
+            if self.observer is not None:
+                self.observer.host_state(False, x.hashes[-1])
             self.policy.sync_mamba(x)
             freed += 1
             self.counters["mamba_evicted"] += 1
@@ -489,6 +516,8 @@ class HybridRadixTree:
         x.mamba_slot = NO_SLOT
         x.mamba &= ~HOST
         x.tombstone = not x.mamba
+        if self.observer is not None:
+            self.observer.host_state(False, x.hashes[-1])
         self.policy.sync_mamba(x)
         self.counters["states_replaced"] += 1
         self.maint.prune(x)
