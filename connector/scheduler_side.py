@@ -92,6 +92,16 @@ class SchedulerHalf:
         if planner.cfg.write_policy == "write_back":
             self.tree.write_back = self._write_back
 
+    def detach_storage(self) -> bool:
+        """Stop using storage (run-time control): fetches are abandoned (their slots return),
+        the probe store closes, and lookups serve the CPU tier only. False if none was on."""
+        planner, self.storage = self.storage, None
+        if planner is None:
+            return False
+        self.tree.write_back = None
+        planner.close()
+        return True
+
     def _write_back(self, is_state: bool, slot: int, block_hash: bytes) -> bool:
         # The slot may be reused by this very step's plan: the worker writes first.
         self._writes.append((MAMBA if is_state else KV, slot, block_hash))

@@ -185,6 +185,13 @@ class StoragePlanner:
             st.phase, st.waits, st.probe_task, st.fetch_id = Phase.SETTLED, False, None, None
         logger.info("himamba: storage epoch reset; older objects are unreachable")
 
+    def close(self) -> None:
+        """Detached: abandon every fetch (slots return at once) and close the probe store."""
+        self.ledger.abandon_all()
+        self._probe_owner.clear()
+        self._requests.clear()
+        self.store.close()
+
     # -- probe answers ---------------------------------------------------------------------
     def _drain(self) -> None:
         for res in self.store.poll():

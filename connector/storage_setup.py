@@ -7,6 +7,7 @@ carry the TP rank, so each worker reads back only its own shard.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Any
 
@@ -17,14 +18,33 @@ from himamba.tiers.storage_config import StorageConfig
 logger = logging.getLogger(__name__)
 
 
+STORAGE_EXTRA = "pip install 'himamba[storage]'"
+
+
 def storage_config(raw: dict[str, Any] | None) -> StorageConfig | None:
     if raw is None:
         return None
     try:
-        return StorageConfig.from_dict(raw)
+        cfg = StorageConfig.from_dict(raw)
     except ValueError as exc:
         # Already names the key as ``storage.<key>``; say whose config it is.
         raise ValueError(f"himamba: {exc}") from None
+    require_storage_extra()
+    return cfg
+
+
+def require_storage_extra() -> None:
+    """The storage tier runs on LMCache, an optional extra (it pulls ~40 packages a CPU-tier
+    user does not need): fail at start-up, naming the extra, rather than deep in an adapter."""
+    try:
+        found = importlib.util.find_spec("lmcache") is not None
+    except ImportError:  # a broken or partial install
+        found = False
+    if not found:
+        raise ValueError(
+            "himamba: kv_connector_extra_config.storage is set but LMCache is not installed; "
+            f"the storage tier is an extra: {STORAGE_EXTRA}"
+        )
 
 
 def storage_namespace(

@@ -6,6 +6,7 @@ worker half; the two meet only through ``HiMambaMetadata`` (a StepPlan).
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from himamba.connector.config import HiMambaConfig
+from himamba.connector.control import ControlAction, ControlRequest
 from himamba.connector.jobs import StepPlan
 from himamba.connector.kv_events import (
     HiMambaWorkerEvents,
@@ -141,20 +143,24 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             retain_decode_states(vllm_config, kv_cache_config, self.config, self.layout)
             self.scheduler = SchedulerHalf(self.layout, self.config, kv_slots, mamba_slots)
             if scfg is not None:
-                # The scheduler probes rank 0's keys: a shard missing on another rank fails
-                # that fetch on that rank, which the ledger turns into a rolled-back fetch.
-                store = open_store(scfg, storage_namespace(vllm_config, self.layout, 0, scfg))
-                self.scheduler.attach_storage(
-                    StoragePlanner(
-                        scfg, store, self.scheduler.tree, self.scheduler.counters, self._world_size
-                    )
-                )
+                self._attach_scheduler_storage(scfg)
         else:
+            rank = worker_rank()
             opener = None
             if scfg is not None:
-                opener = self._storage_opener(vllm_config, scfg, worker_rank())
-            self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots, opener)
+                opener = self._storage_opener(vllm_config, scfg, rank)
+            self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots, opener, rank)
         self._init_observability(vllm_config, kv_cache_config)
+
+    def _attach_scheduler_storage(self, scfg: Any) -> None:
+        # The scheduler probes rank 0's keys: a shard missing on another rank fails that
+        # fetch on that rank, which the ledger turns into a rolled-back fetch.
+        assert self.scheduler is not None and self.layout is not None
+        store = open_store(scfg, storage_namespace(self._vllm_config, self.layout, 0, scfg))
+        planner = StoragePlanner(
+            scfg, store, self.scheduler.tree, self.scheduler.counters, self._world_size
+        )
+        self.scheduler.attach_storage(planner)
 
     def _storage_opener(self, vllm_config: Any, scfg: Any, rank: int) -> Any:
         layout = self.layout
@@ -198,6 +204,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             self._absorb_worker_events(getattr(connector_output, "kv_cache_events", None))
         if self.scheduler is not None:
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(meta, HiMambaWorkerMeta) and meta.control:
+                self._apply_control(meta.control)
             acks = meta.fetch_acks if isinstance(meta, HiMambaWorkerMeta) else ()
             self.scheduler.on_output(
                 connector_output.finished_recving or (),
@@ -240,10 +248,57 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         return {k: v for k, v in out.items() if v}
 
     def build_connector_worker_meta(self) -> HiMambaWorkerMeta | None:
-        if self.worker is None or self.worker.storage is None:
+        if self.worker is None:
             return None
-        acks = self.worker.storage.take_acks()
-        return HiMambaWorkerMeta(acks) if acks else None
+        acks = self.worker.take_acks()
+        control, self.worker.control_out = self.worker.control_out, []
+        return HiMambaWorkerMeta(acks, control) if acks or control else None
+
+    # -- run-time storage control (connector.control) -----------------------------------
+    def control(self, action: ControlAction, storage: dict[str, Any] | None = None) -> dict:
+        """Worker role, from ``HiMambaWorkerExtension.himamba_control``: switch this worker's
+        store now and report the switch to the scheduler half with the next step."""
+        if self.worker is None:
+            raise RuntimeError("himamba_control: the connector is inert for this model")
+        if action is ControlAction.ATTACH:
+            scfg = storage_config(storage) if storage is not None else self.storage_config
+            if scfg is None:
+                raise ValueError(
+                    "himamba_control: no storage is configured; pass a storage section "
+                    '(e.g. {"url": "file:///path"}) as the second argument'
+                )
+            self.storage_config = scfg
+            self.worker.attach_storage(
+                self._storage_opener(self._vllm_config, scfg, self.worker.rank)
+            )
+            self.worker.control_out.append(ControlRequest(action, json.dumps(storage or {})))
+        elif action is ControlAction.DETACH:
+            self.worker.detach_storage()
+            self.worker.control_out.append(ControlRequest(action))
+        scfg = self.storage_config
+        return {
+            "rank": self.worker.rank,
+            "storage": "attached" if self.worker.storage is not None else "detached",
+            "target": None if scfg is None else (scfg.url or scfg.adapter.get("type")),
+        }
+
+    def _apply_control(self, requests: list[ControlRequest]) -> None:
+        """Scheduler role: follow the workers' storage switches (idempotent per action)."""
+        assert self.scheduler is not None
+        for req in requests:
+            if req.action is ControlAction.DETACH:
+                if self.scheduler.detach_storage():
+                    logger.info("himamba: storage detached at run time")
+            elif req.action is ControlAction.ATTACH:
+                raw = req.storage()
+                scfg = storage_config(raw) if raw else self.storage_config
+                current = self.scheduler.storage
+                if scfg is None or (current is not None and current.cfg == scfg):
+                    continue
+                self.scheduler.detach_storage()
+                self.storage_config = scfg
+                self._attach_scheduler_storage(scfg)
+                logger.info("himamba: storage attached at run time: %s", scfg.url or scfg.adapter)
 
     def shutdown(self) -> None:
         if self.worker is not None:

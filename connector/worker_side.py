@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from himamba.connector.control import ControlRequest
+from himamba.connector.fetch_protocol import FetchAck
 from himamba.connector.jobs import LoadJob, StepPlan, StoreBatch
 from himamba.connector.layout import GroupLayout, HybridLayout
 from himamba.connector.metrics import StatsRecorder
@@ -39,10 +41,17 @@ class WorkerHalf:
         kv_slots: int,
         mamba_slots: int,
         open_storage: Callable[[dict[int, HostSlotPool]], WorkerStorage] | None = None,
+        rank: int = 0,
     ) -> None:
         self.layout = layout
         self._open_storage = open_storage
         self.storage: WorkerStorage | None = None
+        self.rank = rank
+        # Acknowledgements of fetches this worker could not run (storage detached): every
+        # fetch must be acknowledged by every rank, or its slots wait for the ack timeout.
+        self._orphan_acks: list[FetchAck] = []
+        # Run-time storage switches to report to the scheduler half (connector.control).
+        self.control_out: list[ControlRequest] = []
         self.kv_slots = kv_slots
         self.mamba_slots = mamba_slots
         self.kv_layers: list[LayerBlocks] = []
@@ -74,10 +83,6 @@ class WorkerHalf:
         self.mamba = MambaSnapshotter(
             mamba_layers, [len(g.layer_names) for g in self.layout.mamba], mamba_pool
         )
-        if self._open_storage is not None:
-            self.storage = self._open_storage({KV: self.kv_pool, MAMBA: mamba_pool})
-            if self.record_storage_events:
-                self.storage.outcomes = []
         logger.info(
             "himamba: host tier %d KV slots x %d B + %d Mamba slots x %d B (%.2f GiB)",
             self.kv_slots,
@@ -86,6 +91,36 @@ class WorkerHalf:
             mamba_pool.slot_bytes,
             (self.kv_pool.nbytes + mamba_pool.nbytes) / (1 << 30),
         )
+        if self._open_storage is not None:
+            self._attach(self._open_storage)
+
+    # -- storage switches (connector.control) -----------------------------------------
+    def _attach(self, opener: Callable[[dict[int, HostSlotPool]], WorkerStorage]) -> None:
+        assert self.kv_pool is not None and self.mamba is not None
+        self.storage = opener({KV: self.kv_pool, MAMBA: self.mamba.pool})
+        if self.record_storage_events:
+            self.storage.outcomes = []
+
+    def attach_storage(self, opener: Callable[[dict[int, HostSlotPool]], WorkerStorage]) -> None:
+        self.detach_storage()
+        self._open_storage = opener
+        if self.kv_pool is not None:  # before register_kv_caches it opens there
+            self._attach(opener)
+
+    def detach_storage(self) -> None:
+        """Stop using storage now: running fetches are acknowledged as failed (their slots go
+        back to the scheduler), pending writes are flushed, the store is closed."""
+        self._open_storage = None
+        if self.storage is not None:
+            self._orphan_acks += self.storage.abort_fetches()
+            self.storage.close()
+            self.storage = None
+
+    def take_acks(self) -> list[FetchAck]:
+        acks, self._orphan_acks = self._orphan_acks, []
+        if self.storage is not None:
+            acks += self.storage.take_acks()
+        return acks
 
     @staticmethod
     def _wrap(
@@ -115,7 +150,12 @@ class WorkerHalf:
     # -- per step --------------------------------------------------------------
     def run_loads(self, plan: StepPlan) -> None:
         self._idle_step = not plan.moves_bytes()
-        if self.storage is not None:
+        if self.storage is None:
+            # Detached while the scheduler still planned fetches: fail them back at once.
+            self._orphan_acks += [
+                FetchAck(o.fetch_id, self.rank, (False,) * len(o.items)) for o in plan.fetches
+            ]
+        else:
             # Cancels first: the scheduler may reuse a cancelled fetch's slots in this very plan;
             # then writes of host objects, before this step's stores or fetches overwrite them.
             self.storage.cancel(plan.cancels)
@@ -203,7 +243,7 @@ class WorkerHalf:
             raise ValueError(f"slot out of range in {slots} (capacity {capacity})")
 
     def leak_report(self) -> dict[str, int]:
-        report = {"unreported_loads": len(self._finished)}
+        report = {"unreported_loads": len(self._finished), "unsent_acks": len(self._orphan_acks)}
         if self.storage is not None:
             report.update(self.storage.leak_report())
         return report

@@ -148,6 +148,17 @@ class WorkerStorage:
             self._started[tid] = time.monotonic()
             self._fetch_tasks[order.fetch_id] = tid
 
+    def abort_fetches(self) -> list[FetchAck]:
+        """Give up every running fetch (storage is being detached): each is acknowledged as
+        failed now, and its late bytes are dropped like a cancelled fetch's."""
+        acks = [
+            FetchAck(get.order.fetch_id, self.rank, (False,) * len(get.order.items))
+            for get in self._gets.values()
+        ]
+        self._gets.clear()
+        self._fetch_tasks.clear()
+        return acks
+
     def outstanding(self) -> bool:
         return bool(self._gets)
 

@@ -54,6 +54,8 @@ def make_llm(args: dict[str, Any], extra: dict[str, Any] | None) -> Any:
         enable_prefix_caching=True,
         seed=0,
     )
+    if args.get("worker_extension"):
+        kw["worker_extension_cls"] = "himamba.connector.control.HiMambaWorkerExtension"
     if args.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = args["max_num_batched_tokens"]
     if args.get("tp", 1) > 1:
@@ -407,6 +409,42 @@ def write_policy(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def storage_control(args: dict[str, Any]) -> dict[str, Any]:
+    """Detach and re-attach storage at run time through vLLM's collective_rpc (a worker
+    extension), then attach another store; objects on disk show where writes went."""
+    from pathlib import Path
+
+    llm = make_llm({**args, "worker_extension": True}, args["extra"])
+    a, b, c = args["prompts"]
+    first, second = Path(args["dirs"][0]), Path(args["dirs"][1])
+
+    def objects(d: Path) -> int:
+        _worker_flush()
+        return sum(1 for p in d.rglob("*.data") if p.is_file())
+
+    def control(*call: Any) -> list[dict[str, Any]]:
+        return llm.collective_rpc("himamba_control", args=call)
+
+    out: dict[str, Any] = {"a": generate(llm, [a])[0], "objects_a": objects(first)}
+    out["detach"] = control("detach_storage")
+    out["b"] = generate(llm, [b])[0]  # the scheduler learns of the detach in this step
+    out["objects_b"] = objects(first)
+    drop_host_tier(llm)
+    out["a_detached"] = generate(llm, [a])[0]
+    out["attach"] = control("attach_storage")
+    out["c"] = generate(llm, [c])[0]
+    out["objects_c"] = objects(first)
+    drop_host_tier(llm)
+    out["a_attached"] = generate(llm, [a])[0]
+    out["attach_other"] = control("attach_storage", {"url": f"file://{second}"})
+    out["b_other"] = generate(llm, [b])[0]
+    out["objects_other"] = objects(second)
+    out["status"] = control("status")
+    out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    return out
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -424,6 +462,7 @@ SCENARIOS = {
         conversation,
         host_states,
         write_policy,
+        storage_control,
     )
 }
 

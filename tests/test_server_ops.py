@@ -61,6 +61,7 @@ def ops_server(
         "--max-num-seqs", "4", "--enable-prefix-caching",
         "--kv-transfer-config", json.dumps(kv_config),
         "--kv-events-config", json.dumps(sub.config()),
+        "--worker-extension-cls", "himamba.connector.control.HiMambaWorkerExtension",
     ]  # fmt: skip
     log = tmp / "server.log"
     with open(log, "w") as out:
@@ -219,3 +220,34 @@ def test_metrics_and_kv_events_follow_a_cpu_hit_and_a_storage_hit(ops_server):
     # Fetched into the CPU tier, and announced (with tokens) when the request loaded them.
     view = RouterView(sub.drain())
     assert a_hashes <= held_kv(view, "CPU")
+
+
+def control(base: str, *args: str) -> list[dict]:
+    body = {"method": "himamba_control", "args": list(args)}
+    resp = requests.post(f"{base}/collective_rpc", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["results"]
+
+
+def test_storage_is_detached_and_attached_over_http(ops_server, tmp_path):
+    base, _ = ops_server
+    assert [r["storage"] for r in control(base, "status")] == ["attached"]
+    assert [r["storage"] for r in control(base, "detach_storage")] == ["detached"]
+    complete(base, prompt(401, 300))  # serving goes on, without storage
+    other = json.dumps({"url": f"file://{tmp_path}"})
+    attached = control(base, "attach_storage", other)
+    assert attached[0]["storage"] == "attached" and attached[0]["target"] == f"file://{tmp_path}"
+    complete(base, prompt(402, 300))
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.rglob("*.data")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(tmp_path.rglob("*.data")), "nothing was written to the newly attached store"
+    bad = requests.post(
+        f"{base}/collective_rpc",
+        json={"method": "himamba_control", "args": ["explode"]},
+        timeout=60,
+    )
+    assert bad.status_code >= 400 or "unknown action" in bad.text
+    # A bad call is an error for its caller, not for the engine: it keeps serving.
+    assert [r["storage"] for r in control(base, "status")] == ["attached"]
+    assert len(complete(base, prompt(403, 200))) == 16

@@ -4,7 +4,8 @@ vLLM's CPU platform starts TP workers with ``spawn``, so a monkeypatch made in t
 never reaches them. ``tests/engine.py`` puts this folder on ``PYTHONPATH`` and sets
 ``HIMAMBA_TEST_FAULTS`` (JSON) only for scenarios that ask for a fault; every interpreter of that
 scenario (the engine and each worker) then applies the patches below at start-up. Faults are the
-kind no real part produces on demand: one rank's fetch acknowledgements arriving steps late.
+kind no real part produces on demand: one rank's fetch acknowledgements arriving steps late, or
+a package missing from the environment.
 """
 
 from __future__ import annotations
@@ -35,5 +36,22 @@ def _delay_acks(rank: int, steps: int) -> None:
     worker_storage.WorkerStorage.take_acks = take_acks  # type: ignore[method-assign]
 
 
+def _hide_modules(names: list[str]) -> None:
+    """Make ``names`` (and their submodules) unimportable, as if never installed: the install
+    footprint test runs the CPU tier as a core-only install would."""
+    import importlib.abc
+    import sys
+
+    class Hidden(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]
+            if fullname.split(".")[0] in names:
+                raise ModuleNotFoundError(f"No module named {fullname!r} (hidden by the test)")
+            return None
+
+    sys.meta_path.insert(0, Hidden())
+
+
 if "delay_acks" in _FAULTS:
     _delay_acks(**_FAULTS["delay_acks"])
+if "hide_modules" in _FAULTS:
+    _hide_modules(_FAULTS["hide_modules"])
