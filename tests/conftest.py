@@ -25,7 +25,12 @@ CPU_ENGINE_ENV = {
 for _key, _value in CPU_ENGINE_ENV.items():
     os.environ.setdefault(_key, _value)
 
-from tiny_models import DEFAULT_CACHE_DIR, build_granite_hybrid, build_qwen3_next  # noqa: E402
+from tiny_models import (  # noqa: E402
+    DEFAULT_CACHE_DIR,
+    build_granite_hybrid,
+    build_granite_hybrid_wide_state,
+    build_qwen3_next,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,6 +51,12 @@ def model_cache_dir() -> Path:
 def granite_model(model_cache_dir: Path) -> Path:
     """Tiny GraniteMoeHybrid (Mamba2 + attention, dense, fp32, random weights, tokenizer)."""
     return build_granite_hybrid(model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def granite_wide_state_model(model_cache_dir: Path) -> Path:
+    """Tiny Granite whose Mamba state makes vLLM pick 256-token blocks (CPU default: 128)."""
+    return build_granite_hybrid_wide_state(model_cache_dir)
 
 
 @pytest.fixture(scope="session")

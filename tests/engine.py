@@ -13,10 +13,15 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_scenario(
-    name: str, args: dict[str, Any], timeout: float = 600, faults: dict[str, Any] | None = None
+    name: str,
+    args: dict[str, Any],
+    timeout: float = 600,
+    faults: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """``faults``: patches applied in every process of the scenario (tests/faults)."""
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    """``faults``: patches applied in every process of the scenario (tests/faults); ``env``:
+    extra environment (e.g. a multi-process engine)."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(HERE)}
     if faults:
         env["PYTHONPATH"] = os.pathsep.join([str(HERE / "faults"), str(HERE)])
         env["HIMAMBA_TEST_FAULTS"] = json.dumps(faults)

@@ -445,6 +445,18 @@ def storage_control(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def repeat(args: dict[str, Any]) -> dict[str, Any]:
+    """A prompt cold, again (vLLM's own cache), again after a GPU reset (the connector): no
+    access to the connector objects, so it also runs with a multi-process engine."""
+    llm = make_llm(args, args.get("extra"))
+    a = args["prompts"][0]
+    out = {"cold": generate(llm, [a])[0], "gpu": generate(llm, [a])[0]}
+    llm.reset_prefix_cache()
+    out["reset"] = generate(llm, [a])[0]
+    close_llm(llm)
+    return out
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -463,6 +475,7 @@ SCENARIOS = {
         host_states,
         write_policy,
         storage_control,
+        repeat,
     )
 }
 

@@ -112,3 +112,21 @@ def test_failed_load_is_recomputed_with_correct_tokens(granite_model):
     assert got["stats"]["loads_failed"] == 1
     assert got["retry"]["tokens"] == got["cold"]["tokens"]
     assert got["leaks"]["locked_entries"] == 0 and got["leaks"]["inflight_loads"] == 0
+
+
+def test_multi_process_engine_with_256_token_blocks_caches_prompt_ends(granite_wide_state_model):
+    # In a multi-process engine vLLM 0.32 resets cache_config.block_size to the CPU default
+    # (128) after start-up while the KV cache uses 256-token blocks; prefill chunks then end
+    # between blocks and no prompt-end state is ever cached. The connector keeps it at 256.
+    a = prompt(7, PROMPT_LEN)
+    out = run_scenario(
+        "repeat",
+        {"model": str(granite_wide_state_model), "prompts": [a], "extra": {"cpu_cache_gb": 0.1}},
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
+    bs = out["block_size"]
+    assert bs == 256
+    assert out["cold"]["cached"] == 0
+    assert out["gpu"]["cached"] == boundary(bs)  # vLLM's own cache has the prompt-end state
+    assert out["reset"]["cached"] == boundary(bs)  # and so does the CPU tier
+    assert out["gpu"]["tokens"] == out["reset"]["tokens"] == out["cold"]["tokens"]

@@ -142,6 +142,14 @@ def build_granite_hybrid(root: Path = DEFAULT_CACHE_DIR, dtype: str = "float32")
     return _build(root, f"granite-hybrid-{dtype}", granite_hybrid_config(dtype))
 
 
+def build_granite_hybrid_wide_state(root: Path = DEFAULT_CACHE_DIR) -> Path:
+    """The tiny Granite with a 4x larger SSM state (d_state 64): vLLM then enlarges the block to
+    256 tokens (an attention page must hold a Mamba state page), unlike the CPU default 128."""
+    config = granite_hybrid_config("float32")
+    config["mamba_d_state"] = 64
+    return _build(root, "granite-hybrid-wide-state-float32", config)
+
+
 def build_qwen3_next(root: Path = DEFAULT_CACHE_DIR, dtype: str = "float32") -> Path:
     """Build (or reuse) the tiny Qwen3-Next checkpoint with a tokenizer; return its folder."""
     return _build(root, f"qwen3-next-{dtype}", qwen3_next_config(dtype))
