@@ -44,6 +44,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("himamba")
 
+
+def _adopt_vllm_logging() -> None:
+    """Our lines (start-up changes, storage events) belong in vLLM's log with vLLM's format and
+    level; Python's default would drop every INFO line. vLLM configures its ``vllm`` logger at
+    import; the ``himamba`` loggers use the same handlers unless someone configured them."""
+    ours, theirs = logging.getLogger("himamba"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
+_adopt_vllm_logging()
+
 try:  # vLLM >= 0.32 splits external hits by tier for metrics.
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - older vLLM
@@ -153,6 +169,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: Any = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _adopt_vllm_logging()  # vLLM has configured its logger by now
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = HiMambaConfig.from_extra_config(extra)
         self.storage_config = storage_config(self.config.storage)
