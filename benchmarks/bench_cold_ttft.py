@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,58 +26,9 @@ HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
+from openai_server import running_server  # noqa: E402
 from scenarios import prompt  # noqa: E402
 from tiny_models import DEFAULT_CACHE_DIR, build_granite_hybrid  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: Path, kv_config: dict[str, Any] | None, log: Path) -> tuple[Any, str]:
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-        "--max-num-seqs", "4", "--enable-prefix-caching",
-    ]  # fmt: skip
-    if kv_config is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "HF_HUB_OFFLINE": "1",
-    }
-    out = open(log, "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc, base
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise RuntimeError("server not ready in 300 s")
-
-
-def stop_server(proc: Any) -> None:
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def ttft(base: str, ids: list[int]) -> float:
@@ -102,6 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--prompt-len", type=int, default=1000)
+    ap.add_argument(
+        "--repeat", type=int, default=2, help="serve the configurations this many times in turn"
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     model = build_granite_hybrid(DEFAULT_CACHE_DIR)
@@ -123,20 +73,21 @@ def main() -> None:
         },
     }
     warm = [prompt(10_000 + i, a.prompt_len) for i in range(3)]
-    cold = [prompt(20_000 + i, a.prompt_len) for i in range(a.requests)]
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    for rep in range(a.repeat):  # A B C A B C: drift on a shared box hits every config alike
+        cold = [prompt(20_000 + 1000 * rep + i, a.prompt_len) for i in range(a.requests)]
+        for name, kv in configs.items():
+            with running_server(model, kv, work / f"{name}-{rep}.log", env=env) as base:
+                for ids in warm:
+                    ttft(base, ids)
+                times[name] += [ttft(base, ids) for ids in cold]
     results: dict[str, Any] = {}
-    for name, kv in configs.items():
-        proc, base = start_server(model, kv, work / f"{name}.log")
-        try:
-            for ids in warm:
-                ttft(base, ids)
-            times = [ttft(base, ids) for ids in cold]
-        finally:
-            stop_server(proc)
+    for name, ts in times.items():
         results[name] = {
-            "median_s": statistics.median(times),
-            "mean_s": statistics.fmean(times),
-            "p90_s": sorted(times)[int(0.9 * (len(times) - 1))],
+            "median_s": statistics.median(ts),
+            "mean_s": statistics.fmean(ts),
+            "p90_s": sorted(ts)[int(0.9 * (len(ts) - 1))],
         }
         print(f"{name:<18} median TTFT {results[name]['median_s'] * 1e3:7.1f} ms", flush=True)
     ref = results["cpu_tier"]["median_s"]
@@ -144,7 +95,8 @@ def main() -> None:
     none = results["cpu_tier"]["median_s"] / results["no_connector"]["median_s"]
     print(f"storage configured / CPU tier only: {ratio:.3f}x (goal <= 1.05x)")
     print(f"CPU tier / no connector:            {none:.3f}x")
-    summary = {"requests": a.requests, "prompt_len": a.prompt_len, "results": results,
+    summary = {"requests": a.requests, "repeat": a.repeat, "prompt_len": a.prompt_len,
+               "results": results,
                "storage_vs_cpu_tier": ratio, "cpu_tier_vs_none": none}  # fmt: skip
     if a.out:
         a.out.write_text(json.dumps(summary, indent=2))

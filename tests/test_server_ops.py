@@ -9,20 +9,17 @@ the event stream a real ZMQ subscriber received is replayed into a router's view
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import requests
+from openai_server import running_server
 from prometheus_client.parser import text_string_to_metric_families
 from scenarios import prompt
 from test_kv_events import EventSubscriber, RouterView, per_block
-from test_server import complete, free_port
+from test_server import complete
 
 from himamba.connector.metrics import METRICS, PREFIX
 
@@ -37,7 +34,6 @@ CPU_CACHE_GB = 0.003
 def ops_server(
     granite_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, EventSubscriber]]:
-    port = free_port()
     tmp = tmp_path_factory.mktemp("server-ops")
     store = tmp / "store"
     store.mkdir()
@@ -52,44 +48,14 @@ def ops_server(
             "storage": {"url": f"file://{store}"},
         },
     }
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(granite_model), "--served-model-name", "tiny",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-        "--max-num-seqs", "4", "--enable-prefix-caching",
-        "--kv-transfer-config", json.dumps(kv_config),
+    extra = (
         "--kv-events-config", json.dumps(sub.config()),
         "--worker-extension-cls", "himamba.connector.control.HiMambaWorkerExtension",
-    ]  # fmt: skip
-    log = tmp / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    base = f"http://127.0.0.1:{port}"
+    )  # fmt: skip
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited early:\n{log.read_text()[-5000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        else:
-            raise AssertionError(f"server not ready in 240 s:\n{log.read_text()[-5000:]}")
-        yield base, sub
+        with running_server(granite_model, kv_config, tmp / "server.log", *extra) as base:
+            yield base, sub
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
         sub.close()
 
 

@@ -151,3 +151,41 @@ def test_late_success_does_not_break_a_streak_of_slow_waits(redis_server: RedisS
         assert eventually(lambda: s.breaker_state is not BreakerState.CLOSED, 2)
     finally:
         s.close()
+
+
+def test_slow_wait_verdict_counts_at_once_while_the_driver_is_stuck_in_a_slow_call(
+    storage_dir: Path,
+):
+    """Storage whose adapter calls themselves block (a hung mount): the scheduler's timed-out
+    waits must open the breaker immediately, not once the driver thread gets free, or every
+    request in the meantime waits its full deadline too."""
+    from himamba.tiers.lmcache_store import LMCacheStore, create_lmcache_adapter
+    from test_storage_tier import ns
+
+    def slow_factory(spec: dict) -> object:
+        adapter = create_lmcache_adapter(spec)
+        submit = adapter.submit_lookup_and_lock_task
+
+        def stuck(*a, **kw):
+            time.sleep(2.0)
+            return submit(*a, **kw)
+
+        adapter.submit_lookup_and_lock_task = stuck
+        return adapter
+
+    cfg = StorageConfig.from_dict(
+        {"url": f"file://{storage_dir}", "breaker_failures": 2, "probe_interval_s": 3600}
+    )
+    s = LMCacheStore(cfg, ns(), adapter_factory=slow_factory)
+    try:
+        first = s.submit_exists([StorageKey(h(3), KV)])  # the driver is now stuck for 2 s
+        time.sleep(0.1)
+        s.report_slow("wait timed out")
+        s.report_slow("wait timed out")
+        assert s.breaker_state is BreakerState.OPEN and s.stats.breaker_opens == 1
+        t0 = time.monotonic()
+        r = run(s, s.submit_exists([StorageKey(h(4), KV)]))
+        assert r.error is TaskError.BREAKER_OPEN and time.monotonic() - t0 < 0.05
+        assert run(s, first).ok == (False,)  # the stuck call still ends, as a miss
+    finally:
+        s.close()

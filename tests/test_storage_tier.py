@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -351,6 +352,8 @@ def test_breaker_opens_after_n_failures_and_recovers_via_probe():
         ({"url": "/x", "num_wokers": 4}, "storage.num_wokers: unknown key"),
         ({"url": "/x", "write_buffer_mb": 0}, "storage.write_buffer_mb: must be >= 1"),
         ({"url": "/x", "adapter_put_depth": 0}, "storage.adapter_put_depth: must be >= 1"),
+        ({"url": "/x", "thread_nice": -5}, "storage.thread_nice: must be >= 0"),
+        ({"url": "/x", "thread_nice": 20}, "storage.thread_nice: must be <= 19"),
         (
             {"url": "/x", "breaker_cooldown_s": 5, "breaker_max_cooldown_s": 1},
             "storage.breaker_max_cooldown_s: must be >= breaker_cooldown_s",
@@ -361,6 +364,23 @@ def test_config_errors_name_the_offending_key(cfg, message):
     with pytest.raises(ValueError) as e:
         StorageConfig.from_dict(cfg)
     assert str(e.value).startswith(message)
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="thread priorities are Linux-only")
+def test_store_threads_run_at_background_priority_and_the_caller_keeps_its_own(tmp_path):
+    me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    store = make_store(str(tmp_path), thread_nice=me + 7)
+    try:
+        assert run(store, store.submit_put([StorageKey(h(1), KV)], [payload(1, 64)])).ok == (True,)
+        driver = store._driver.native_id
+        assert os.getpriority(os.PRIO_PROCESS, driver) == me + 7
+        workers = [t for t in threading.enumerate() if t.name.startswith("himamba-l3-cpu")]
+        assert workers and all(
+            os.getpriority(os.PRIO_PROCESS, t.native_id) == me + 7 for t in workers
+        )
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me
+    finally:
+        store.close()
 
 
 def test_config_resolves_urls_and_passes_adapter_json_through():

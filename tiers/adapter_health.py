@@ -8,7 +8,7 @@ periodic write-then-read probe, through a `CircuitBreaker`. The cure for a broke
 fresh one: `_recreate` swaps it in and keeps the old one's buffers ("quarantined") until the
 old adapter is closed, because its native threads may still write into them.
 
-Everything here runs on the store's driver thread; the task pipeline (`TaskRunner`) executes
+Everything here runs on the store's driver thread (except `report_slow`); the task pipeline (`TaskRunner`) executes
 the probe's ops and hands over its in-flight batches when the adapter is replaced.
 """
 
@@ -108,11 +108,14 @@ class AdapterHealth:
     def attach(self, runner: TaskRunner) -> None:
         self._runner = runner
 
+    def _create_adapter(self) -> Any:
+        return self._factory(self.cfg.adapter)
+
     def open(self) -> None:
         """Create the first adapter. A bad spec raises; storage down at startup only opens
         the breaker (serving must not depend on storage)."""
         try:
-            self._install(self._factory(self.cfg.adapter))
+            self._install(self._create_adapter())
         except ValueError:
             raise
         except Exception as e:
@@ -137,7 +140,9 @@ class AdapterHealth:
             self.breaker.record_success()
 
     def report_slow(self, reason: str) -> None:
-        """A request gave up waiting on storage: a failure, though every op may succeed."""
+        """A request gave up waiting on storage: a failure, though every op may succeed.
+        Called on the scheduler's thread (the breaker is thread-safe), not posted to the
+        driver: a driver stuck in a slow adapter call must not delay the verdict."""
         self.stats.slow_reports += 1
         self.outcome(False, f"slow: {reason}")
 
@@ -165,9 +170,7 @@ class AdapterHealth:
                 self._probe()
 
     def _trip(self, reason: str) -> None:
-        was_closed = self.breaker.state is BreakerState.CLOSED
-        self.breaker.trip(reason)
-        if was_closed:
+        if self.breaker.trip(reason):
             self._opened(reason)
 
     def _opened(self, reason: str) -> None:
@@ -242,7 +245,7 @@ class AdapterHealth:
 
         threading.Thread(target=close_old, name="himamba-l3-close", daemon=True).start()
         try:
-            self._install(self._factory(self.cfg.adapter))
+            self._install(self._create_adapter())
         except Exception as e:
             log.warning("recreating storage adapter failed: %s", e)
             self.breaker.probe_result(False, f"create failed: {e}")

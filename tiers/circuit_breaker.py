@@ -10,12 +10,14 @@ Re-opening backs off: storage that keeps failing right after each recovery (a fl
 server that answers a tiny probe but not real traffic) would otherwise cost every request a
 full wait once per cool-down. Each re-open without a healthy period in between doubles the
 cool-down, up to `max_cooldown_s`; a healthy period is `max_cooldown_s` spent closed.
-Pure state, injectable clock: testable without I/O. Not thread-safe (the store's driver
-thread owns it; other threads only read `state`).
+Pure state, injectable clock: testable without I/O. Thread-safe: the store's driver thread
+records op outcomes while the scheduler's thread reports a timed-out wait, and that verdict
+must count at once (the driver may be stuck in a slow adapter call at that very moment).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from enum import Enum
@@ -48,6 +50,7 @@ class CircuitBreaker:
         self._cooldown = cooldown_s
         self.opens = 0  # how many times the breaker tripped from CLOSED (a metric)
         self.last_reason = ""
+        self._lock = threading.RLock()
 
     @property
     def state(self) -> BreakerState:
@@ -63,51 +66,63 @@ class CircuitBreaker:
         return self._state is BreakerState.CLOSED
 
     def record_success(self) -> None:
-        if self._state is BreakerState.CLOSED:
-            self._consecutive = 0
+        with self._lock:
+            if self._state is BreakerState.CLOSED:
+                self._consecutive = 0
 
     def record_failure(self, reason: str = "failure") -> bool:
         """Count a failed op; True if this one opened the breaker."""
-        if self._state is not BreakerState.CLOSED:
+        with self._lock:
+            if self._state is not BreakerState.CLOSED:
+                return False
+            self._consecutive += 1
+            if self._consecutive >= self._threshold:
+                self.trip(reason)
+                return True
             return False
-        self._consecutive += 1
-        if self._consecutive >= self._threshold:
-            self.trip(reason)
-            return True
-        return False
 
-    def trip(self, reason: str) -> None:
-        """Open now (a failed health probe needs no second opinion)."""
-        if self._state is BreakerState.CLOSED:
-            self.opens += 1
-            healthy = self._closed_at is not None and self._clock() - self._closed_at >= self._max
-            if self._closed_at is None or healthy:
-                self._cooldown = self._base
-            else:
+    def trip(self, reason: str) -> bool:
+        """Open now (a failed health probe needs no second opinion); True if it was closed."""
+        with self._lock:
+            was_closed = self._state is BreakerState.CLOSED
+            if was_closed:
+                self.opens += 1
+                healthy = (
+                    self._closed_at is not None and self._clock() - self._closed_at >= self._max
+                )
+                if self._closed_at is None or healthy:
+                    self._cooldown = self._base
+                else:
+                    self._back_off()
+            elif self._state is BreakerState.PROBING:
                 self._back_off()
-        elif self._state is BreakerState.PROBING:
-            self._back_off()
-        self._state = BreakerState.OPEN
-        self._opened_at = self._clock()
-        self._consecutive = 0
-        self.last_reason = reason
+            self._state = BreakerState.OPEN
+            self._opened_at = self._clock()
+            self._consecutive = 0
+            self.last_reason = reason
+            return was_closed
 
     def should_probe(self) -> bool:
         """OPEN and cooled down: the caller recreates the adapter and probes it (-> PROBING)."""
-        if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self._cooldown:
-            self._state = BreakerState.PROBING
-            return True
-        return False
+        with self._lock:
+            if (
+                self._state is BreakerState.OPEN
+                and self._clock() - self._opened_at >= self._cooldown
+            ):
+                self._state = BreakerState.PROBING
+                return True
+            return False
 
     def probe_result(self, ok: bool, reason: str = "probe failed") -> None:
-        if self._state is not BreakerState.PROBING:
-            return
-        if ok:
-            self._state = BreakerState.CLOSED
-            self._consecutive = 0
-            self._closed_at = self._clock()
-        else:
-            self.trip(reason)
+        with self._lock:
+            if self._state is not BreakerState.PROBING:
+                return
+            if ok:
+                self._state = BreakerState.CLOSED
+                self._consecutive = 0
+                self._closed_at = self._clock()
+            else:
+                self.trip(reason)
 
     def _back_off(self) -> None:
         self._cooldown = min(self._max, self._cooldown * 2)

@@ -29,6 +29,7 @@ from .object_format import Namespace, StorageKey
 from .storage_config import StorageConfig
 from .storage_records import OpKind, StoreStats, TaskError, TaskResult
 from .store_pipeline import TaskPipeline
+from .thread_priority import lower_current_thread
 
 __all__ = [
     "LMCacheStore",
@@ -111,7 +112,7 @@ class LMCacheStore:
         `breaker_failures` slow waits in a row open the breaker and later ops miss at once
         (a success slower than the shortest prefetch wait does not break the streak)."""
         if not self._closed:
-            self._post(lambda: self._health.report_slow(reason))
+            self._health.report_slow(reason)
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -168,6 +169,7 @@ class LMCacheStore:
             pass  # pipe full (a wake-up is pending anyway) or closed
 
     def _run(self) -> None:
+        lower_current_thread(self.cfg.thread_nice)  # background work (tiers.thread_priority)
         while not self._stop.is_set():
             try:
                 ready, _, _ = select.select([self._wake_r, *self._health.fds], [], [], _TICK_S)

@@ -85,6 +85,10 @@ class StorageConfig:
     # write_buffer_mb). The op deadline runs from the hand-off, so it times the backend, not a
     # burst queued inside the adapter, and gets are not stuck behind that burst.
     adapter_put_depth: int = 4
+    # Niceness of the store's own threads (its driver, checksum and delete workers; Linux):
+    # storage work is background work and must not take CPU from the engine on a busy host.
+    # 0 = same priority as vLLM.
+    thread_nice: int = 10
     # Per engine step, the scheduler may block this long in total for storage probe answers:
     # probes are sent when a request arrives, so most answers are back by its first lookup and
     # a cold request is scheduled in its first step instead of paying an extra one.
@@ -170,6 +174,9 @@ class StorageConfig:
             raise _err("checksum", f"{checksum!r} is not one of {', '.join(CHECKSUMS)}")
         kw["checksum"] = checksum
         kw["probe_wait_ms"] = _float(d, "probe_wait_ms", cls.probe_wait_ms)
+        kw["thread_nice"] = _int(d, "thread_nice", cls.thread_nice, minimum=0)
+        if kw["thread_nice"] > 19:
+            raise _err("thread_nice", f"must be <= 19, got {kw['thread_nice']}")
         weights_id = d.get("weights_id")
         if weights_id is not None and (not isinstance(weights_id, str) or not weights_id):
             raise _err("weights_id", f"expected a non-empty string, got {weights_id!r}")

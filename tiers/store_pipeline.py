@@ -50,6 +50,7 @@ from .storage_records import (
     TaskResult,
     TaskState,
 )
+from .thread_priority import initializer
 
 log = logging.getLogger(__name__)
 _FINISHED = (TaskState.DONE, TaskState.EXPIRED)
@@ -74,8 +75,13 @@ class TaskPipeline:
         self._algo = resolve_algo(cfg.checksum)
         self.staging = StagingPool(cfg.staging_pool_mb << 20)
         self.budget = WriteBudget(cfg.write_buffer_mb << 20)
-        self._cpu = ThreadPoolExecutor(cfg.num_workers, thread_name_prefix="himamba-l3-cpu")
-        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="himamba-l3-del")
+        background = initializer(cfg.thread_nice)
+        self._cpu = ThreadPoolExecutor(
+            cfg.num_workers, thread_name_prefix="himamba-l3-cpu", initializer=background
+        )
+        self._deleter = ThreadPoolExecutor(
+            1, thread_name_prefix="himamba-l3-del", initializer=background
+        )
         self._ids = itertools.count()
         self._delete_ids = itertools.count()
         # Tasks not yet finished, from any thread's point of view (close() finishes them all).
