@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -210,7 +210,10 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         # The scheduler probes rank 0's keys: a shard missing on another rank fails that
         # fetch on that rank, which the ledger turns into a rolled-back fetch.
         assert self.scheduler is not None and self.layout is not None
-        store = open_store(scfg, storage_namespace(self._vllm_config, self.layout, 0, scfg))
+        # Probes sit on every new request's critical path: this store keeps the engine's
+        # priority; thread_nice is for the workers' stores, whose work is mostly writes.
+        probe_cfg = replace(scfg, thread_nice=0)
+        store = open_store(probe_cfg, storage_namespace(self._vllm_config, self.layout, 0, scfg))
         planner = StoragePlanner(
             scfg, store, self.scheduler.tree, self.scheduler.counters, self._world_size
         )

@@ -13,9 +13,10 @@ pytest.importorskip("lmcache")
 pytest_plugins = ("storage_fixtures",)  # redis_server, storage_dir
 
 from storage_fixtures import RedisServer  # noqa: E402
-from test_storage_tier import KV, eventually, h, make_store, payload, run  # noqa: E402
+from test_storage_tier import KV, eventually, h, make_store, ns, payload, run  # noqa: E402
 
 from himamba.tiers.circuit_breaker import BreakerState, CircuitBreaker  # noqa: E402
+from himamba.tiers.lmcache_store import LMCacheStore, create_lmcache_adapter  # noqa: E402
 from himamba.tiers.object_format import StorageKey  # noqa: E402
 from himamba.tiers.storage_config import StorageConfig  # noqa: E402
 from himamba.tiers.storage_records import TaskError  # noqa: E402
@@ -159,8 +160,6 @@ def test_slow_wait_verdict_counts_at_once_while_the_driver_is_stuck_in_a_slow_ca
     """Storage whose adapter calls themselves block (a hung mount): the scheduler's timed-out
     waits must open the breaker immediately, not once the driver thread gets free, or every
     request in the meantime waits its full deadline too."""
-    from himamba.tiers.lmcache_store import LMCacheStore, create_lmcache_adapter
-    from test_storage_tier import ns
 
     def slow_factory(spec: dict) -> object:
         adapter = create_lmcache_adapter(spec)

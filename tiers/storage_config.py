@@ -87,7 +87,7 @@ class StorageConfig:
     adapter_put_depth: int = 4
     # Niceness of the store's own threads (its driver, checksum and delete workers; Linux):
     # storage work is background work and must not take CPU from the engine on a busy host.
-    # 0 = same priority as vLLM.
+    # 0 = same priority as vLLM (the connector opens the scheduler's probe store with 0).
     thread_nice: int = 10
     # Per engine step, the scheduler may block this long in total for storage probe answers:
     # probes are sent when a request arrives, so most answers are back by its first lookup and

@@ -30,32 +30,29 @@ after any public call:
   Kept by ``Maintenance.trim``; it never drops host bytes, pending stores or held paths.
 
 Where the rest lives: ``forest.py`` (shape: paths, splits, pending maps), ``eviction.py``
-(victim order), ``maintenance.py`` (P and B), ``slot_allocator.py`` (host slot indices).
+(victim order), ``host_eviction.py`` (freeing host slots), ``maintenance.py`` (P and B),
+``slot_allocator.py`` (host slot indices), ``tier_marks.py`` (GPU / storage bits of a path).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 from .eviction import EvictionPolicy
 from .forest import Forest
+from .host_eviction import HostEviction, WriteBack
 from .maintenance import Maintenance
 from .node import GPU, HOST, LOADABLE, NO_SLOT, PENDING, STORAGE, Node, common_prefix
 from .results import LockHandle, MatchResult
 from .slot_allocator import SlotAllocator
+from .tier_marks import clear_path, fill_absent, mark_path
 
 _COUNTERS = (
     "hits", "misses", "kv_evicted", "mamba_evicted", "kv_cascaded", "mamba_cascaded",
     "alloc_failures", "stores_committed", "stores_rolled_back", "stale_completions",
     "nodes_trimmed", "kv_written_back", "mamba_written_back", "states_replaced",
 )  # fmt: skip
-
-# Called for a host block (``is_state`` False) or a host Mamba state (True) that LRU eviction is
-# about to free and that storage does not hold yet: (is_state, host slot, key hash) -> whether
-# its bytes will be written to storage before the slot is reused (write-back). If so, the tree
-# keeps it as a storage entry instead of losing it.
-WriteBack = Callable[[bool, int, bytes], bool]
 
 
 class HostObserver(Protocol):
@@ -92,14 +89,26 @@ class HybridRadixTree:
         self.maint = Maintenance(
             self.forest, self.kv_slots, self.mamba_slots, self.policy, self.counters
         )
+        self.evictor = HostEviction(
+            self.kv_slots, self.mamba_slots, self.policy, self.maint, self.counters
+        )
         self.handles: set[LockHandle] = set()
-        self.write_back: WriteBack | None = None
         self.observer: HostObserver | None = None
 
     def set_observer(self, observer: HostObserver | None) -> None:
         """Report host-tier arrivals and departures to ``observer`` (None: nobody, no cost)."""
         self.observer = observer
         self.maint.observer = observer
+        self.evictor.observer = observer
+
+    @property
+    def write_back(self) -> WriteBack | None:
+        """Asked before LRU eviction frees host bytes storage lacks (see ``WriteBack``)."""
+        return self.evictor.write_back
+
+    @write_back.setter
+    def write_back(self, hook: WriteBack | None) -> None:
+        self.evictor.write_back = hook
 
     @property
     def num_nodes(self) -> int:
@@ -306,14 +315,14 @@ class HybridRadixTree:
         found = self.forest.locate(hashes, partition, block_index + 1)
         if found is not None and found[0].flags[found[1]] & (HOST | PENDING):
             return None
-        slot = self._alloc(self.kv_slots, self._evict_kv)
+        slot = self.evictor.alloc_kv()
         if slot is None:
             self._finish()
             return None
         node = self.forest.ensure_path(hashes, partition, block_index + 1)[-1]
         i = block_index - node.start
         if from_device:
-            self._fill_absent(node, i, GPU)
+            fill_absent(node, i, GPU)
         node.set_flag(i, node.flags[i] | PENDING | (GPU if from_device else 0))
         node.set_slot(i, slot)
         self.forest.pending_kv[slot] = (node, i)
@@ -347,7 +356,7 @@ class HybridRadixTree:
             for i in range(max(start - x.start, 0), min(len(flags), end - x.start)):
                 if flags[i] & (HOST | PENDING):
                     continue
-                slot = self._alloc(self.kv_slots, self._evict_kv)
+                slot = self.evictor.alloc_kv()
                 if slot is None:
                     full = True
                     break
@@ -374,13 +383,13 @@ class HybridRadixTree:
         found = self.forest.locate(hashes, partition, num_blocks)
         if found is not None and found[0].end == num_blocks and found[0].mamba & (HOST | PENDING):
             return None
-        slot = self._alloc(self.mamba_slots, self._evict_states)
+        slot = self.evictor.alloc_state()
         if slot is None:
             self._finish()
             return None
         node = self.forest.ensure_path(hashes, partition, num_blocks, (num_blocks,))[-1]
         if from_device:
-            self._fill_absent(node, len(node.hashes), GPU)
+            fill_absent(node, len(node.hashes), GPU)
         node.mamba |= PENDING
         node.mamba_slot = slot
         node.tombstone = False
@@ -437,70 +446,14 @@ class HybridRadixTree:
     def evict_host(self, num_blocks: int) -> int:
         """Free ``num_blocks`` host KV slots, one block at a time from the end of the LRU
         host leaf; returns how many were freed (fewer only if nothing else is evictable)."""
-        freed = self._evict_kv(num_blocks)
+        freed = self.evictor.evict_kv(num_blocks)
         self._finish()
         return freed
 
     def evict_host_mamba(self, num_states: int) -> int:
         """Free up to ``num_states`` LRU host Mamba states, leaving tombstones."""
-        freed = self._evict_states(num_states)
+        freed = self.evictor.evict_states(num_states)
         self._finish()
-        return freed
-
-    def _evict_kv(self, num_blocks: int) -> int:
-        freed, obs = 0, self.observer
-        while freed < num_blocks:
-            x = self.policy.kv_victim()
-            if x is None:
-                break
-            flags, slots = x.flags, x.slots
-            assert slots is not None
-            i, hole = len(flags), -1
-            while freed < num_blocks and x.n_host:
-                i -= 1
-                f = flags[i]
-                if f & HOST:
-                    wb = self.write_back
-                    if wb is not None and not f & STORAGE and wb(False, slots[i], x.hashes[i]):
-                        f |= STORAGE  # written back before the slot is reused: still live
-                        self.counters["kv_written_back"] += 1
-                    self.kv_slots.free(slots[i])
-                    slots[i] = NO_SLOT
-                    x.set_flag(i, f & ~HOST)
-                    freed += 1
-                    if obs is not None:
-                        obs.host_kv(False, x.hashes[i])
-                    self.counters["kv_evicted"] += 1
-                    if not flags[i]:
-                        hole = i  # its last tier: what follows it dies (invariant P)
-            if not x.n_host:
-                self.policy.withdraw_kv(x)
-            if hole >= 0:
-                freed += self.maint.kill_from(x, hole + 1)
-            elif not x.n_host:
-                self.maint.prune(x)  # it may be a metadata leaf now
-        return freed
-
-    def _evict_states(self, num_states: int) -> int:
-        freed = 0
-        while freed < num_states:
-            x = self.policy.mamba_victim()
-            if x is None:
-                break
-            wb = self.write_back
-            if wb is not None and not x.mamba & STORAGE and wb(True, x.mamba_slot, x.hashes[-1]):
-                x.mamba |= STORAGE
-                self.counters["mamba_written_back"] += 1
-            self.mamba_slots.free(x.mamba_slot)
-            x.mamba_slot = NO_SLOT
-            x.mamba &= ~HOST
-            x.tombstone = not x.mamba & STORAGE
-            if self.observer is not None:
-                self.observer.host_state(False, x.hashes[-1])
-            self.policy.sync_mamba(x)
-            freed += 1
-            self.counters["mamba_evicted"] += 1
-            self.maint.prune(x)
         return freed
 
     def drop_state(self, hashes: Sequence[bytes], partition: Hashable, num_blocks: int) -> bool:
@@ -512,15 +465,8 @@ class HybridRadixTree:
         x = found[0]
         if x.end != num_blocks or not x.mamba & HOST or x.mamba_lock:
             return False
-        self.mamba_slots.free(x.mamba_slot)
-        x.mamba_slot = NO_SLOT
-        x.mamba &= ~HOST
-        x.tombstone = not x.mamba
-        if self.observer is not None:
-            self.observer.host_state(False, x.hashes[-1])
-        self.policy.sync_mamba(x)
+        self.evictor.free_state(x, tombstone=not x.mamba & ~HOST)
         self.counters["states_replaced"] += 1
-        self.maint.prune(x)
         self._finish()
         return True
 
@@ -541,7 +487,16 @@ class HybridRadixTree:
     ) -> None:
         """Blocks ``[0, num_blocks)`` are in vLLM's paged cache (and the state at
         ``num_blocks`` too when ``mamba``)."""
-        self._mark(hashes, partition, num_blocks, GPU, (num_blocks,) if mamba else ())
+        mark_path(
+            self.forest,
+            self.policy,
+            hashes,
+            partition,
+            num_blocks,
+            GPU,
+            (num_blocks,) if mamba else (),
+        )
+        self._finish()
 
     def evict_device(
         self,
@@ -551,7 +506,8 @@ class HybridRadixTree:
         end_block: int | None = None,
     ) -> None:
         """vLLM dropped blocks ``[start_block, end_block)`` (and states ending in that range)."""
-        self._clear(hashes, partition, start_block, end_block, GPU)
+        clear_path(self.forest, self.maint, hashes, partition, start_block, end_block, GPU)
+        self._finish()
 
     def mark_storage(
         self,
@@ -567,7 +523,8 @@ class HybridRadixTree:
         ends = sorted(set(state_ends))
         if ends and not (1 <= ends[0] and ends[-1] <= num_blocks):
             raise ValueError(f"state_ends must lie in 1..{num_blocks}")
-        self._mark(hashes, partition, num_blocks, STORAGE, ends)
+        mark_path(self.forest, self.policy, hashes, partition, num_blocks, STORAGE, ends)
+        self._finish()
 
     def evict_storage(
         self,
@@ -577,7 +534,8 @@ class HybridRadixTree:
         end_block: int | None = None,
     ) -> None:
         """Storage lost blocks ``[start_block, end_block)`` (and states ending in that range)."""
-        self._clear(hashes, partition, start_block, end_block, STORAGE)
+        clear_path(self.forest, self.maint, hashes, partition, start_block, end_block, STORAGE)
+        self._finish()
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, int]:
@@ -605,84 +563,3 @@ class HybridRadixTree:
         self.maint.flush()
         if self.max_nodes is not None and self.forest.num_nodes > self.max_nodes:
             self.maint.trim(self.max_nodes)
-
-    def _alloc(self, slots: SlotAllocator, evict: Callable[[int], int]) -> int | None:
-        """A free slot, evicting one victim first if there is none."""
-        slot = slots.alloc()
-        if slot is None:
-            evict(1)
-            slot = slots.alloc()
-        if slot is None:
-            self.counters["alloc_failures"] += 1
-        return slot
-
-    def _fill_absent(self, node: Node, upto: int, bit: int) -> None:
-        """Give ``bit`` to every tier-less block of the path before ``node[upto]``."""
-        x: Node | None = node
-        while x is not None and x.parent is not None:
-            if x.n_live < len(x.hashes):
-                i = x.flags.find(0, 0, upto)
-                while 0 <= i:
-                    x.set_flag(i, bit)
-                    i = x.flags.find(0, i + 1, upto)
-            x = x.parent
-            upto = len(x.hashes) if x is not None else 0
-
-    def _mark(
-        self,
-        hashes: Sequence[bytes],
-        partition: Hashable,
-        num_blocks: int,
-        bit: int,
-        ends: Sequence[int],
-    ) -> None:
-        """Give ``bit`` to blocks ``[0, num_blocks)`` and to the state at each of ``ends``."""
-        if not 1 <= num_blocks <= len(hashes):
-            raise IndexError(num_blocks)
-        path = self.forest.ensure_path(hashes, partition, num_blocks, ends)
-        j = 0
-        for x in path:
-            upto = min(len(x.hashes), num_blocks - x.start)
-            if bit != GPU or x.n_gpu < len(x.hashes):
-                flags = x.flags
-                for i in range(upto):
-                    x.set_flag(i, flags[i] | bit)
-            if j < len(ends) and ends[j] == x.end:
-                x.mamba |= bit
-                x.tombstone = False
-                j += 1
-        assert j == len(ends), "ensure_path must end a node at every state boundary"
-        self.policy.touch_path(path[-1], kv=False)
-        self._finish()
-
-    def _clear(
-        self,
-        hashes: Sequence[bytes],
-        partition: Hashable,
-        start: int,
-        end: int | None,
-        bit: int,
-    ) -> None:
-        end = len(hashes) if end is None else min(end, len(hashes))
-        node, pos = self.forest.roots.get(partition), 0
-        hole: tuple[Node, int] | None = None
-        while node is not None and pos < end:
-            child = node.children.get(hashes[pos])
-            if child is None:
-                break
-            k = common_prefix(child.hashes, hashes, pos, min(len(child.hashes), end - pos))
-            for i in range(max(start - pos, 0), k):
-                child.set_flag(i, child.flags[i] & ~bit)
-                if hole is None and not child.flags[i]:
-                    hole = (child, i)
-            if start < child.end <= end:
-                child.mamba &= ~bit
-            if k < len(child.hashes):
-                break
-            pos += k
-            node = child
-        if hole is not None:
-            self.maint.kill_from(hole[0], hole[1] + 1)
-        elif node is not None and node.parent is not None:
-            self.maint.prune(node)
-        self._finish()
