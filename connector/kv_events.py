@@ -61,7 +61,8 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-KV, MAMBA = 0, 1  # object kinds (himamba.tiers.object_format.ObjectKind)
+from himamba.tiers.object_format import KV_OBJECT as KV
+from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
 
 # Storage media by LMCache L2 adapter type; anything else is announced as its type in capitals.
 _STORAGE_MEDIA = {"fs": "DISK", "fs_native": "DISK", "resp": "REDIS", "redis": "REDIS"}

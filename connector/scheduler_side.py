@@ -26,10 +26,10 @@ from himamba.connector.layout import HybridLayout
 from himamba.connector.state_budget import RequestStates, StateBudget
 from himamba.connector.storage_plan import StoragePlanner
 from himamba.connector.tree import HybridRadixTree, LockHandle, MatchResult
+from himamba.tiers.object_format import KV_OBJECT as KV
+from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
 
 logger = logging.getLogger(__name__)
-
-KV, MAMBA = 0, 1  # object kinds (himamba.tiers.object_format.ObjectKind)
 
 
 @dataclass

@@ -85,6 +85,12 @@ class StoreReader:
         self._breaker = state
 
 
+def reader_for(current: StoreReader | None, store: Any) -> StoreReader:
+    """``current`` if it reads ``store``; else a fresh reader (storage was switched at run time:
+    the new store's counters start from zero)."""
+    return current if current is not None and current.store is store else StoreReader(store)
+
+
 # (metric, series) of each scheduler counter, in the order ``SchedulerStats._read`` reads them.
 _SCHEDULER_COUNTERS = (
     ("hit_tokens", "cpu"),
@@ -148,8 +154,7 @@ class SchedulerStats:
             rec.set("cpu_slots_capacity", half.tree.mamba_slots.capacity, "mamba")
         storage = half.storage
         if storage is not None:
-            if self._store is None or self._store.store is not storage.store:
-                self._store = StoreReader(storage.store)
+            self._store = reader_for(self._store, storage.store)
             self._store.read_into(rec)
         return rec.take()
 
@@ -166,8 +171,7 @@ class WorkerStats:
         out = half.recorder.take()
         storage = half.storage
         if storage is not None:
-            if self._store is None or self._store.store is not storage.store:
-                self._store = StoreReader(storage.store)
+            self._store = reader_for(self._store, storage.store)
             self._store.read_into(storage.recorder)
             more = storage.recorder.take()
             if more is not None:

@@ -37,12 +37,12 @@ from himamba.connector.fetch_protocol import (
     FetchOrder,
     FetchOutcome,
 )
+from himamba.tiers.object_format import KV_OBJECT as KV
+from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
 from himamba.tiers.object_format import ObjectKind, StorageKey
 from himamba.tiers.storage_config import StorageConfig, prefetch_deadline_s
 
 logger = logging.getLogger(__name__)
-
-KV, MAMBA = int(ObjectKind.KV), int(ObjectKind.MAMBA)
 
 
 class Phase(enum.Enum):

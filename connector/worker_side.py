@@ -23,10 +23,10 @@ from himamba.connector.metrics import StatsRecorder
 from himamba.connector.worker_storage import WorkerStorage
 from himamba.mamba_state.snapshot import NULL_BLOCK, MambaSnapshotter
 from himamba.tiers.cpu_pool import HostSlotPool
-from himamba.tiers.object_format import ObjectKind
+from himamba.tiers.object_format import KV_OBJECT as KV
+from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
 from himamba.tiers.transfer import LayerBlocks, device_to_host, host_to_device
 
-KV, MAMBA = int(ObjectKind.KV), int(ObjectKind.MAMBA)
 # An engine step that moves no bytes while storage fetches are outstanding sleeps this long, so
 # the store's threads get the GIL to finish the very fetches the engine is spinning on.
 IDLE_YIELD_S = 0.0005

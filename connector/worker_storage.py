@@ -22,11 +22,17 @@ from himamba.connector.fetch_protocol import FetchAck, FetchOrder
 from himamba.connector.kv_events import StorageOp, StorageOutcome
 from himamba.connector.metrics import StatsRecorder
 from himamba.tiers.cpu_pool import HostSlotPool
-from himamba.tiers.object_format import ObjectKind, StorageKey, stored_size
+from himamba.tiers.object_format import (
+    KV_OBJECT,
+    MAMBA_OBJECT,
+    ObjectKind,
+    StorageKey,
+    stored_size,
+)
 
 logger = logging.getLogger(__name__)
 
-_SERIES = {int(ObjectKind.KV): "storage,kv", int(ObjectKind.MAMBA): "storage,mamba"}
+_SERIES = {KV_OBJECT: "storage,kv", MAMBA_OBJECT: "storage,mamba"}
 
 
 @dataclass

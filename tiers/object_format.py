@@ -35,6 +35,11 @@ class ObjectKind(IntEnum):
     PROBE = 15  # health probes of the circuit breaker; never seen by the connector
 
 
+# The two kinds the connector moves, as plain ints: step plans and acknowledgements carry them
+# between processes.
+KV_OBJECT, MAMBA_OBJECT = int(ObjectKind.KV), int(ObjectKind.MAMBA)
+
+
 class ChecksumAlgo(IntEnum):
     CRC32 = 1
     BLAKE3 = 2
