@@ -113,7 +113,7 @@ def test_report_slow_opens_breaker_then_health_probe_closes_it(storage_dir: Path
         t0 = time.monotonic()
         r = run(s, s.submit_exists([k]))  # requests stop waiting: an immediate miss
         assert (r.ok, r.error) == ((False,), TaskError.BREAKER_OPEN)
-        assert time.monotonic() - t0 < 0.05
+        assert time.monotonic() - t0 < 0.25
         assert eventually(lambda: s.breaker_state is BreakerState.CLOSED, 5)
         assert s.stats.probes_ok >= 1 and s.stats.adapter_recreations == 1
         dst = torch.zeros_like(d)
@@ -184,7 +184,7 @@ def test_slow_wait_verdict_counts_at_once_while_the_driver_is_stuck_in_a_slow_ca
         assert s.breaker_state is BreakerState.OPEN and s.stats.breaker_opens == 1
         t0 = time.monotonic()
         r = run(s, s.submit_exists([StorageKey(h(4), KV)]))
-        assert r.error is TaskError.BREAKER_OPEN and time.monotonic() - t0 < 0.05
+        assert r.error is TaskError.BREAKER_OPEN and time.monotonic() - t0 < 0.25
         assert run(s, first).ok == (False,)  # the stuck call still ends, as a miss
     finally:
         s.close()

@@ -254,7 +254,7 @@ def test_redis_killed_ops_fail_fast_then_hits_return_after_restart(redis_server:
     assert eventually(lambda: s.breaker_state is not BreakerState.CLOSED, 3)
     t1 = time.monotonic()
     r = run(s, s.submit_exists([k]))
-    assert (r.ok, r.error) == ((False,), "breaker_open") and time.monotonic() - t1 < 0.05
+    assert (r.ok, r.error) == ((False,), "breaker_open") and time.monotonic() - t1 < 0.25
     redis_server.start()  # same port, empty (no persistence)
     assert eventually(lambda: s.breaker_state is BreakerState.CLOSED, 10)
     assert s.stats.adapter_recreations >= 1

@@ -3,6 +3,7 @@ prefetch planner chooses from, and pins that keep the host prefix of a prefetch 
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -12,11 +13,7 @@ from himamba.connector.tree import NO_SLOT, HybridRadixTree, check_invariants
 
 
 # ---------------------------------------------------------------- probe answers
-@pytest.mark.parametrize("existing", ["none", "one_gpu_node", "host_write_through"])
-def test_probe_answer_with_a_state_at_every_block_is_one_linear_walk(existing: str) -> None:
-    """4,000 blocks with a state at each: one walk, even when it must cut a 4,000-block node
-    into 4,000 pieces (the old per-state walks took 1.4 s at 1,000 blocks)."""
-    n = 4000
+def _build(existing: str, n: int) -> tuple[HybridRadixTree, list]:
     h = chain(n)
     tree = HybridRadixTree(n, 8)
     if existing == "one_gpu_node":
@@ -26,10 +23,40 @@ def test_probe_answer_with_a_state_at_every_block_is_one_linear_walk(existing: s
         tree.evict_device(h, None)
         slot = tree.reserve_kv(h, None, n - 1, from_device=False)  # already on host: None
         assert slot is None
-    t0 = time.perf_counter()
+    return tree, h
+
+
+def _mark_every_state_seconds(existing: str, n: int) -> float:
+    """Best of three, with the garbage collector paused: in a long pytest session a full
+    collection walks every object the earlier tests left (it made one run take 0.6 s on CI),
+    and the fastest run is the one least disturbed by other load on the machine."""
+    best = float("inf")
+    for _ in range(3):
+        tree, h = _build(existing, n)
+        gc.disable()
+        try:
+            t0 = time.perf_counter()
+            tree.mark_storage(h, None, n, state_ends=range(1, n + 1))
+            best = min(best, time.perf_counter() - t0)
+        finally:
+            gc.enable()
+    return best
+
+
+@pytest.mark.parametrize("existing", ["none", "one_gpu_node", "host_write_through"])
+def test_probe_answer_with_a_state_at_every_block_is_one_linear_walk(existing: str) -> None:
+    """4,000 blocks with a state at each: one walk, even when it must cut a 4,000-block node
+    into 4,000 pieces (the old per-state walks took 1.4 s at 1,000 blocks and grew with the
+    square). Timed as a ratio to 500 blocks, so a loaded CI machine cannot fail it: 8x the
+    blocks must cost well under the 64x of a quadratic walk."""
+    n = 4000
+    small, large = (
+        _mark_every_state_seconds(existing, n // 8),
+        _mark_every_state_seconds(existing, n),
+    )
+    assert large < 24 * small, f"mark_storage: {small:.4f} s at {n // 8}, {large:.4f} s at {n}"
+    tree, h = _build(existing, n)
     tree.mark_storage(h, None, n, state_ends=range(1, n + 1))
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 0.5, f"mark_storage took {elapsed:.3f} s"
     res = tree.match(h)
     assert res.num_blocks == n and res.mamba_in_storage
     assert res.boundaries == [(b, False) for b in range(1, n + 1)]  # every state is seen
