@@ -1,8 +1,8 @@
 """Storage-tier throughput: `LMCacheStore` put/get vs raw Python I/O of the same bytes.
 
 N objects of S bytes (default 256 x 1 MiB, random) go through our store (staging copy at
-submit + header + checksum + LMCache L2 adapter) on `fs_native` and `fs` over a temp directory and on `resp`
-over a private redis-server (127.0.0.1, free port, no persistence). The references, same run,
+submit + header + checksum (`--checksum`, default the config's) + LMCache L2 adapter) on
+`fs_native` and `fs` over a temp directory and on `resp` over a private redis-server (127.0.0.1, free port, no persistence). The references, same run,
 same bytes: one file per object with open/write/close and open/readinto (page-cache warm, like
 the adapter reads), and for Redis a redis-py pipeline of SET/GET. Ratio = ours / reference.
 Reps are interleaved across variants and each write phase starts after `os.sync()`, so dirty-page
@@ -48,7 +48,7 @@ class StoreRun:
     holds the whole working set: this measures throughput, not backpressure (a put refused
     for room would fail the run's assertion, never pass silently)."""
 
-    def __init__(self, where: str | dict, working_set_bytes: int) -> None:
+    def __init__(self, where: str | dict, working_set_bytes: int, checksum: str | None) -> None:
         cfg = {"adapter": where} if isinstance(where, dict) else {"url": where}
         write_buffer_mb = 2 * (working_set_bytes >> 20) + 64
         self.store = LMCacheStore(
@@ -58,6 +58,7 @@ class StoreRun:
                     "op_deadline_s": 120.0,
                     "probe_interval_s": 3600,
                     "write_buffer_mb": write_buffer_mb,
+                    **({"checksum": checksum} if checksum else {}),
                 }
             ),
             Namespace("bench/model", LayoutFingerprint(16, "bfloat16", (1,))),
@@ -142,6 +143,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="best of (interleaved reps)")
     ap.add_argument("--dir", default=None, help="directory for files (default: a temp dir)")
     ap.add_argument("--no-redis", action="store_true")
+    ap.add_argument(
+        "--checksum", default=None, help="storage.checksum (default: the config's default)"
+    )
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     n = args.object_kib << 10
@@ -150,15 +154,18 @@ def main() -> None:
     ]
     root = Path(tempfile.mkdtemp(prefix="bench_storage_", dir=args.dir))
     out: dict = {"objects": args.objects, "object_bytes": n, "batch": args.batch, "reps": args.reps}
+    out["checksum"] = args.checksum or StorageConfig.checksum
     total = sum(o.nbytes for o in objs)
     srv = None
     try:
         (root / "raw").mkdir()
         runs: dict = {
             "raw_file": lambda r: raw_files_rep(root / "raw", r, objs),
-            "fs_native": StoreRun(f"file://{root / 'fsn'}", total),
+            "fs_native": StoreRun(f"file://{root / 'fsn'}", total, args.checksum),
             "fs": StoreRun(
-                {"type": "fs", "base_path": str(root / "fs"), "relative_tmp_dir": "tmp"}, total
+                {"type": "fs", "base_path": str(root / "fs"), "relative_tmp_dir": "tmp"},
+                total,
+                args.checksum,
             ),
         }
         if not args.no_redis and shutil.which("redis-server"):
@@ -167,7 +174,7 @@ def main() -> None:
             srv = RedisServer(root)
             srv.start()
             runs["raw_redis_py"] = lambda r: raw_redis_rep(srv, r, objs)
-            runs["resp"] = StoreRun(srv.url, total)
+            runs["resp"] = StoreRun(srv.url, total, args.checksum)
         best: dict = {k: [float("inf"), float("inf")] for k in runs}
         for rep in range(args.reps):  # interleaved, so machine noise hits every variant alike
             for name, r in runs.items():

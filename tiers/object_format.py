@@ -9,6 +9,7 @@ any of those becomes a miss instead of a wrong token. No pickle anywhere: the he
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import re
 import struct
@@ -41,8 +42,21 @@ KV_OBJECT, MAMBA_OBJECT = int(ObjectKind.KV), int(ObjectKind.MAMBA)
 
 
 class ChecksumAlgo(IntEnum):
+    """The header's algo byte. Adding one is not a format change: an object checked with an
+    algorithm other than the reader's configured one is an 'algo' miss, never misread."""
+
     CRC32 = 1
     BLAKE3 = 2
+    XXH3_128 = 3
+
+
+# Config name -> (algorithm, the module that computes it). The config names the algorithm;
+# stored bytes never do (see `validate_object`).
+CHECKSUM_ALGOS = {
+    "xxh3_128": (ChecksumAlgo.XXH3_128, "xxhash"),
+    "blake3": (ChecksumAlgo.BLAKE3, "blake3"),
+    "crc32": (ChecksumAlgo.CRC32, "zlib"),
+}
 
 
 def _b2(data: bytes) -> bytes:
@@ -145,25 +159,38 @@ def stored_size(payload_nbytes: int) -> int:
 
 
 def _checksum(algo: ChecksumAlgo, prefix: bytes, payload: memoryview) -> bytes:
+    """16 bytes over `prefix` then `payload`, streamed (no concatenating copy)."""
+    if algo == ChecksumAlgo.XXH3_128:
+        import xxhash  # noqa: PLC0415 (the `storage` extra; checked by `resolve_algo`)
+
+        h = xxhash.xxh3_128(prefix)
+        h.update(payload)
+        return h.digest()
     if algo == ChecksumAlgo.CRC32:
         return zlib.crc32(payload, zlib.crc32(prefix)).to_bytes(4, "little") + bytes(12)
-    import blake3  # noqa: PLC0415 (optional; LMCache depends on it)
+    import blake3  # noqa: PLC0415
 
-    h = blake3.blake3(prefix)
-    h.update(payload)
-    return h.digest(_DIGEST)
+    h3 = blake3.blake3(prefix)
+    h3.update(payload)
+    return h3.digest(_DIGEST)
 
 
 def resolve_algo(name: str) -> ChecksumAlgo:
-    """`blake3` if the module exists, else crc32: a missing wheel must not disable the tier."""
-    if name == "blake3":
-        try:
-            import blake3  # noqa: F401, PLC0415
+    """The configured algorithm, or a `storage.checksum` error if this process cannot run it.
 
-            return ChecksumAlgo.BLAKE3
-        except ImportError:
-            pass
-    return ChecksumAlgo.CRC32
+    No silent fallback: two processes sharing a store with the same config but different
+    installed wheels would write objects the other reads as 'algo' misses and deletes."""
+    if name not in CHECKSUM_ALGOS:
+        raise ValueError(f"storage.checksum: {name!r} is not one of {', '.join(CHECKSUM_ALGOS)}")
+    algo, module = CHECKSUM_ALGOS[name]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(
+            f"storage.checksum: {name!r} needs the Python package {module!r}, which is not "
+            "installed (pip install 'himamba[storage]', or choose another checksum)"
+        ) from e
+    return algo
 
 
 def seal_object(
@@ -212,8 +239,10 @@ def validate_object(
     """None if `obj` is a valid object for this key, else the reason (a counter label).
 
     `algo` is the reader's configured algorithm, never the header's: the header is as
-    untrusted as the payload, and trusting its choice would let anyone downgrade to crc32
-    (forgeable) or name an algorithm this process cannot check. Another algorithm: 'algo'."""
+    untrusted as the payload, and trusting its choice would let stored bytes pick the check
+    they must pass (a 32-bit crc32) or name one this process cannot run. Another algorithm:
+    'algo'. The checksums are unkeyed: they catch corruption (torn, truncated, bit-flipped or
+    desynchronised bytes), not forgery - whoever can write the store can recompute them."""
     if obj.nbytes != HEADER_SIZE + payload_nbytes:
         return "size"
     magic, version, k, a, n, layout, kd, csum = _HEADER.unpack(obj[:HEADER_SIZE])

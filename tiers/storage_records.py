@@ -112,8 +112,10 @@ class StoreStats:
 
 @dataclass(eq=False)
 class Task:
-    """One submitted op. `lock` is held while a CPU worker writes a get's destination buffers,
-    so a deadline can never hand a buffer back to the caller in the middle of a copy."""
+    """One submitted op. A CPU worker registers in `copying` (under `lock`) before it writes a
+    get's destination buffer, and `finish_when_no_copies` waits them out, so a deadline can
+    never hand a buffer back in the middle of a copy; two workers still copy into one task's
+    buffers at once (one lock held per copy serialised them: issue 9)."""
 
     id: int
     op: OpKind
@@ -124,6 +126,28 @@ class Task:
     lock: threading.RLock = field(default_factory=threading.RLock)
     state: TaskState = TaskState.QUEUED
     open_batches: int = 0
+    copying: int = 0  # CPU workers writing into `dsts` right now
+
+    def __post_init__(self) -> None:
+        self._no_copies = threading.Condition(self.lock)
+
+    def start_copy(self) -> list[np.ndarray] | None:
+        """The destinations to write, or None if the task is no longer live."""
+        with self.lock:
+            if self.state is not TaskState.RUNNING or self.dsts is None:
+                return None
+            self.copying += 1
+            return self.dsts
+
+    def end_copy(self) -> None:
+        with self.lock:
+            self.copying -= 1
+            if self.copying == 0:
+                self._no_copies.notify_all()
+
+    def wait_no_copies(self) -> None:
+        """Under `lock`, after `state` left RUNNING (so no copy starts): wait out the rest."""
+        self._no_copies.wait_for(lambda: self.copying == 0)
 
 
 @dataclass(eq=False)

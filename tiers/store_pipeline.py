@@ -38,7 +38,15 @@ from .object_format import (
     stored_size,
     validate_object,
 )
-from .staging import StagingPool, WriteBudget, as_bytes, as_segments, by_size, copy_segments
+from .staging import (
+    StagingPool,
+    WriteBudget,
+    as_bytes,
+    as_segments,
+    by_size,
+    copy_segments,
+    load_calls,
+)
 from .storage_config import StorageConfig
 from .storage_records import (
     Batch,
@@ -297,7 +305,11 @@ class TaskPipeline:
                 )
             else:
                 assert task.dsts is not None
-                groups = by_size([d.nbytes for d in task.dsts])
+                groups = [
+                    part
+                    for group in by_size([d.nbytes for d in task.dsts])
+                    for part in load_calls(group, stored_size(task.dsts[group[0]].nbytes))
+                ]
                 task.open_batches = len(groups)
                 for idx in groups:
                     st = [self.staging.get(stored_size(task.dsts[i].nbytes)) for i in idx]
@@ -364,8 +376,10 @@ class TaskPipeline:
             ):
                 continue
             if not t.lock.acquire(blocking=False):
-                continue  # a worker is mid-copy into its dst: next round
+                continue
             try:
+                if t.copying:
+                    continue  # a worker is mid-copy into its dst: next round
                 expired = self._finish(t, TaskError.DEADLINE)
             finally:
                 t.lock.release()
@@ -374,26 +388,37 @@ class TaskPipeline:
                 self._health.outcome(False, f"{t.op.value} deadline")
 
     def _validate_load(self, b: Batch, bits: list[bool]) -> None:  # CPU worker
+        """Check each loaded object, then copy the valid ones into their destinations.
+
+        Neither the checksum nor the copy holds the task's lock, so both workers verify and
+        copy sub-batches of one task at once; a copy registers with the task instead, and its
+        finish waits for it (a deadline must not hand a buffer back in the middle of a copy).
+        An object is copied right after its own check, while its staging bytes are still in
+        the CPU cache."""
         task, oks, bad = b.task, [False] * len(b.idx), []
-        with task.lock:
-            live = task.state is TaskState.RUNNING and task.dsts is not None
-            for j, i in enumerate(b.idx):
-                if not bits[j]:
-                    continue
-                k, st = task.keys[i], b.staging[j]
-                why = validate_object(
-                    memoryview(st),
-                    kind=k.kind,
-                    payload_nbytes=st.nbytes - HEADER_SIZE,
-                    layout_digest=self._ns_digest,
-                    key_dig=key_digest(self.ns, k),
-                    algo=self._algo,
-                )
-                if why:
-                    bad.append((i, why))
-                elif live:
-                    task.dsts[i][:] = st[HEADER_SIZE:]  # type: ignore[index]
-                    oks[j] = True
+        for j, i in enumerate(b.idx):
+            if not bits[j]:
+                continue
+            k, st = task.keys[i], b.staging[j]
+            why = validate_object(
+                memoryview(st),
+                kind=k.kind,
+                payload_nbytes=st.nbytes - HEADER_SIZE,
+                layout_digest=self._ns_digest,
+                key_dig=key_digest(self.ns, k),
+                algo=self._algo,
+            )
+            if why:
+                bad.append((i, why))
+                continue
+            dsts = task.start_copy()
+            if dsts is None:
+                continue
+            try:
+                dsts[i][:] = st[HEADER_SIZE:]
+                oks[j] = True
+            finally:
+                task.end_copy()
         self._post(lambda: self._load_validated(b, bits, oks, bad))
 
     def _load_validated(
@@ -454,10 +479,11 @@ class TaskPipeline:
 
     def _finish(self, t: Task, error: TaskError | None) -> bool:
         """Report `t` (once). False if it was already reported."""
-        with t.lock:  # never while a worker is copying into the caller's buffers
+        with t.lock:
             if t.state in _FINISHED:
                 return False
             t.state = TaskState.EXPIRED if error is TaskError.DEADLINE else TaskState.DONE
+            t.wait_no_copies()  # never hand back the caller's buffers mid-copy
             t.dsts = None
         with self._live_lock:
             self._live.pop(t.id, None)
