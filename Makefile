@@ -63,7 +63,7 @@ $(STAMP033): pyproject.toml
 	test -x $(PY033) || $(PYTHON) -m venv $(VENV033)
 	$(PY033) -m pip install -q "vllm==0.33.0" 2>&1 | $(QUIET_PIP)
 	echo "torch==2.14.0" > $(VENV033)/constraints.txt
-	$(PY033) -m pip install -q -c $(VENV033)/constraints.txt "lmcache==0.5.6" "pytest>=8" \
+	$(PY033) -m pip install -q -c $(VENV033)/constraints.txt "lmcache==0.5.6" "xxhash==4.1.0" "pytest>=8" \
 		"hypothesis>=6" "safetensors>=0.4" "tokenizers>=0.19" "pyyaml>=6" 2>&1 | $(QUIET_PIP)
 	$(PY033) -m pip install -q --no-deps -e . 2>&1 | $(QUIET_PIP)
 	VLLM_TARGET_DEVICE=cpu $(PY033) -c "import vllm, lmcache, himamba.connector"

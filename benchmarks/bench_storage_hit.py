@@ -144,7 +144,7 @@ def serve_engine(args: dict[str, Any]) -> None:
         row: dict[str, Any] = {}
         row["recompute"] = timed(p)
         c0, t = counters(), time.perf_counter()
-        row["flushed"] = storage.flush(120.0)
+        row["flushed"] = worker.worker.flush_storage(120.0)
         row["flush_s"] = time.perf_counter() - t
         c1 = counters()
         row["flush_delta"] = {

@@ -1,4 +1,4 @@
-"""CPU-tier copy throughput: ``device_to_host`` / ``host_to_device`` vs a plain memcpy of the same bytes.
+"""CPU-tier copy throughput through the copy engine vs a plain memcpy of the same bytes.
 
 Caches are laid out as vLLM lays out a hybrid model's: one raw int8 buffer per layer of
 ``num_blocks * page`` bytes (page = 64 KiB), viewed either as an attention cache
@@ -6,11 +6,16 @@ Caches are laid out as vLLM lays out a hybrid model's: one raw int8 buffer per l
 ``[num_blocks, 1, 1, 36032]`` int8 with block stride 65536 (the state uses only the first
 36032 bytes of each padded page). Each batch copies ``n`` random distinct blocks of every
 layer to / from ``n`` random host slots (``HostSlotPool``), as the connector's stores and
-loads do. The reference is ``dst.copy_(src)`` of one contiguous tensor of the same number
+loads do; ``--ids consecutive`` uses consecutive blocks and slots (a fresh request's blocks from
+vLLM's free queue into slots handed out in order: one copy per layer). Each batch is one job on
+the copy engine the connector uses (``HostCopyEngine`` thread on CPU, ``CudaCopyEngine`` batched
+DMA on a GPU), timed from planning to completion. The reference is ``dst.copy_(src)`` of one contiguous tensor of the same number
 of bytes, in the same run. Output: one JSON line per (direction, batch size), then a summary.
 
     python benchmarks/bench_transfer.py           # ~1-2 min
     python benchmarks/bench_transfer.py --quick   # ~15 s
+    python benchmarks/bench_transfer.py --quick --ids consecutive
+    python benchmarks/bench_transfer.py --device cuda --quick   # on a GPU (benchmarks/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import numpy as np
 import torch
 
 from himamba.tiers.cpu_pool import HostSlotPool
-from himamba.tiers.transfer import LayerBlocks, device_to_host, host_to_device
+from himamba.tiers.transfer import LayerBlocks, plan_copies
+from himamba.tiers.transfer_engine import make_copy_engine
 
 PAGE = 65536
 MAMBA_STATE_BYTES = 36032
@@ -76,6 +82,7 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="comma list of blocks per batch")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--ids", default="random", choices=["random", "consecutive"])
     a = ap.parse_args()
     batches = [int(x) for x in (a.batches or ("8,64" if a.quick else "8,16,32,64")).split(",")]
     iters = a.iters or (5 if a.quick else 15)
@@ -89,12 +96,17 @@ def main() -> None:
     pool._buffer.fill_(1)  # fault the pool in before timing
     setup_s = time.perf_counter() - t0
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    engine = make_copy_engine(a.device == "cuda")
     gen = torch.Generator().manual_seed(1)
 
     results = []
     for n in batches:
         # Fresh random block ids (never block 0, vLLM's null block) and slots per call.
         def pick(n: int = n) -> tuple[list[list[int]], list[int]]:
+            if a.ids == "consecutive":
+                b0 = int(torch.randint(1, a.num_blocks - n, (1,), generator=gen))
+                s0 = int(torch.randint(0, a.slots - n + 1, (1,), generator=gen))
+                return [list(range(b0, b0 + n))] * len(layers), list(range(s0, s0 + n))
             ids = (torch.randperm(a.num_blocks - 1, generator=gen)[:n] + 1).tolist()
             slots = torch.randperm(a.slots, generator=gen)[:n].tolist()
             return [ids] * len(layers), slots
@@ -116,26 +128,23 @@ def main() -> None:
                 dst.copy_(src)
             sync()
 
-        def run(
-            fn: Callable[..., int], nbytes: int = nbytes, pick: Callable = pick
-        ) -> Callable[[], None]:
+        def run(to_host: bool, nbytes: int = nbytes, pick: Callable = pick) -> Callable[[], None]:
             def call() -> None:
                 ids, slots = pick()
-                moved = fn(layers, ids, pool, slots)
-                sync()
-                assert moved == nbytes, (moved, nbytes)
+                plan = plan_copies(layers, ids, pool, slots, to_host)
+                job = engine.submit([plan])
+                engine.wait([job])
+                assert engine.collect([job])[0].ok and plan.nbytes == nbytes
 
             return call
 
         base_torch = statistics.median(timed(plain, iters))
         base = statistics.median(timed(memcpy, iters))
-        for direction, fn in (
-            ("device_to_host", device_to_host),
-            ("host_to_device", host_to_device),
-        ):
-            t = statistics.median(timed(run(fn), iters))
+        for direction, to_host in (("device_to_host", True), ("host_to_device", False)):
+            t = statistics.median(timed(run(to_host), iters))
             line = {
                 "direction": direction,
+                "ids": a.ids,
                 "blocks_per_batch": n,
                 "layers": len(layers),
                 "bytes_per_batch": nbytes,
@@ -151,10 +160,12 @@ def main() -> None:
     # Correctness spot check: a round trip through the pool restores the same bytes.
     ids, slots = [list(range(1, 9))] * len(layers), list(range(8))
     before = [lb.read_blocks(ids[0]).clone() for lb in layers]
-    device_to_host(layers, ids, pool, slots)
+    engine.wait([engine.submit([plan_copies(layers, ids, pool, slots, True)])])
     for lb in layers:
         lb.tensor.index_fill_(0, torch.tensor(ids[0], device=a.device), 0)
-    host_to_device(layers, ids, pool, slots)
+    engine.wait([engine.submit([plan_copies(layers, ids, pool, slots, False)])])
+    sync()
+    engine.close()
     exact = all(
         torch.equal(b, lb.read_blocks(ids[0])) for b, lb in zip(before, layers, strict=True)
     )
@@ -164,6 +175,8 @@ def main() -> None:
             {
                 "summary": True,
                 "device": a.device,
+                "ids": a.ids,
+                "engine": type(engine).__name__,
                 "threads": torch.get_num_threads(),
                 "nproc": os.cpu_count(),
                 "num_blocks": a.num_blocks,

@@ -79,6 +79,7 @@ class SchedulerHalf:
         self._inflight: dict[str, LockHandle] = {}
         self._no_hits: set[str] = set()
         self._plan = StepPlan()
+        self._stores_unfenced = False
         self.budget = StateBudget(layout.block_size, config.checkpoint_interval_tokens)
         # Host objects to write to storage this step (selective write-through, write-back),
         # collected while the step is scheduled and handed to the plan at its end.
@@ -236,9 +237,13 @@ class SchedulerHalf:
             finished = set(scheduler_output.finished_req_ids)
             self._plan_kv_stores(plan, scheduler_output, block_state, finished)
             self._plan_mamba_stores(plan, block_state.boundary_state_offloads)
-        # Stores are committed now: the worker copies them this step, before any later
-        # step can load from (or overwrite) those slots, so order alone makes this safe.
+        # Stores are committed now: the worker's copy engine runs them in order and fences
+        # them at the next step's first hook, before that step loads from (or overwrites) the
+        # slots or vLLM rewrites a source block, so order alone makes this safe.
         self.tree.complete_store(plan.kv_stores.slots, plan.mamba_stores.slots, ok=True)
+        # One more engine step after the last stores even when idle: its fence hands them to
+        # storage (write-through would otherwise wait for the next request).
+        self._stores_unfenced = bool(plan.kv_stores or plan.mamba_stores)
         if self.storage is not None:
             plan.fetches, plan.cancels = self.storage.step()
             plan.epoch = self.storage.epoch
@@ -357,7 +362,10 @@ class SchedulerHalf:
             self.storage.forget(req_id)
 
     def has_pending_work(self) -> bool:
-        """Storage fetches in flight are acknowledged only through engine steps."""
+        """Storage fetches in flight are acknowledged only through engine steps, and the last
+        step's stores reach storage at the next step's fence."""
+        if self._stores_unfenced and self.storage is not None:
+            return True
         return self.storage is not None and self.storage.has_work()
 
     def reset(self) -> bool:

@@ -370,6 +370,12 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # vLLM's first worker hook of every step, before it zeroes, copies or rewrites any
+        # block: the last step's stores must have read their source blocks by now.
+        if self.worker is not None:
+            self.worker.fence()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()

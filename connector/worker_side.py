@@ -1,9 +1,11 @@
 """Worker half: owns the host slot pools and moves bytes as the scheduler's plan says.
 
 It never decides anything: every slot and block id comes from the scheduler
-half. Stores run in ``wait_for_save`` (after the step's forward, before any
-later step can overwrite the source blocks); loads run in ``start_load_kv`` and
-complete within the step, so the scheduler learns of them on the next update.
+half. Bytes move on the copy engine (``tiers.transfer_engine``), off the step:
+stores are submitted in ``wait_for_save`` and fenced at the next step's first hook
+(``handle_preemptions``, see ``copy_jobs``); loads are submitted in ``start_load_kv``
+and reported through ``finished_recving`` once done (on CPU, where the forward and
+the copies share the cores, within the step; on a GPU when their event fired).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from himamba.connector.control import ControlRequest
+from himamba.connector.copy_jobs import CopyJobs, StoreDone
 from himamba.connector.fetch_protocol import FetchAck
 from himamba.connector.jobs import LoadJob, StepPlan, StoreBatch
 from himamba.connector.layout import GroupLayout, HybridLayout
@@ -25,7 +28,8 @@ from himamba.mamba_state.snapshot import NULL_BLOCK, MambaSnapshotter
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.object_format import KV_OBJECT as KV
 from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
-from himamba.tiers.transfer import LayerBlocks, device_to_host, host_to_device
+from himamba.tiers.transfer import CopyPlan, LayerBlocks, plan_copies
+from himamba.tiers.transfer_engine import make_copy_engine
 
 # An engine step that moves no bytes while storage fetches are outstanding sleeps this long, so
 # the store's threads get the GIL to finish the very fetches the engine is spinning on.
@@ -57,6 +61,7 @@ class WorkerHalf:
         self.kv_layers: list[LayerBlocks] = []
         self.kv_pool: HostSlotPool | None = None
         self.mamba: MambaSnapshotter | None = None
+        self.copies: CopyJobs | None = None
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._idle_step = False
@@ -83,6 +88,8 @@ class WorkerHalf:
         self.mamba = MambaSnapshotter(
             mamba_layers, [len(g.layer_names) for g in self.layout.mamba], mamba_pool
         )
+        on_cuda = any(t.tensor.is_cuda for t in self.kv_layers + mamba_layers)
+        self.copies = CopyJobs(make_copy_engine(on_cuda), self.counters, self.recorder)
         logger.info(
             "himamba: host tier %d KV slots x %d B + %d Mamba slots x %d B (%.2f GiB)",
             self.kv_slots,
@@ -111,6 +118,7 @@ class WorkerHalf:
         """Stop using storage now: running fetches are acknowledged as failed (their slots go
         back to the scheduler), pending writes are flushed, the store is closed."""
         self._open_storage = None
+        self.fence()
         if self.storage is not None:
             self._orphan_acks += self.storage.abort_fetches()
             self.storage.close()
@@ -148,7 +156,26 @@ class WorkerHalf:
         return layers
 
     # -- per step --------------------------------------------------------------
+    def fence(self) -> None:
+        """Wait for every store still copying (called before vLLM can rewrite any block of
+        this step); completed stores go on to storage."""
+        if self.copies is not None:
+            self._to_storage(self.copies.fence())
+
+    def flush_storage(self, timeout_s: float = 30.0) -> bool:
+        """Hand every finished copy to storage and wait until storage has written it all."""
+        self.fence()
+        return self.storage is None or self.storage.flush(timeout_s)
+
+    def _to_storage(self, stores: list[StoreDone]) -> None:
+        if self.storage is None:
+            return
+        for done in stores:
+            for kind, slots, hashes in done.batches:
+                self.storage.on_stored(kind, slots, hashes, done.epoch)
+
     def run_loads(self, plan: StepPlan) -> None:
+        self.fence()  # normally a no-op: handle_preemptions fenced before this step began
         self._idle_step = not plan.moves_bytes()
         if self.storage is None:
             # Detached while the scheduler still planned fetches: fail them back at once.
@@ -161,22 +188,20 @@ class WorkerHalf:
             self.storage.cancel(plan.cancels)
             self.storage.write_slots(plan.storage_writes, plan.epoch)
             self.storage.fetch(plan.fetches)
+        assert self.copies is not None
         for job in plan.loads:
-            start = time.perf_counter()
-            moved = self.counters["bytes_loaded"]
             try:
-                self._load(job)
-                self._finished.add(job.req_id)
-                self.recorder.observe("load_seconds", time.perf_counter() - start)
-                self.recorder.observe("load_bytes", self.counters["bytes_loaded"] - moved)
+                plans = self._plan_load(job)
             except Exception as exc:  # noqa: BLE001 - any failure must become a recompute
                 logger.warning("himamba: load for %s failed: %s", job.req_id, exc)
                 self.counters["loads_failed"] += 1
                 self._finished.add(job.req_id)
                 self._failed.add(job.req_id)
-            self.counters["load_seconds"] += time.perf_counter() - start
+                continue
+            self.copies.submit_load(job.req_id, plans)
 
-    def _load(self, job: LoadJob) -> None:
+    def _plan_load(self, job: LoadJob) -> list[CopyPlan]:
+        """Check every id now (a bad plan fails this request alone), copy later."""
         if job.doomed:
             raise RuntimeError(job.doomed)
         assert self.kv_pool is not None and self.mamba is not None
@@ -184,38 +209,39 @@ class WorkerHalf:
         self._check_slots([job.mamba_slot], self.mamba_slots)
         for blocks in job.kv_blocks:
             self._check_blocks(blocks, len(job.kv_slots))
-        moved = 0
+        plans = []
         if job.kv_slots:
             per_layer = self._kv_per_layer(job.kv_blocks)
-            moved += host_to_device(self.kv_layers, per_layer, self.kv_pool, job.kv_slots)
-        moved += self.mamba.restore([[b] for b in job.mamba_blocks], [job.mamba_slot])
-        self.counters["bytes_loaded"] += moved
+            plans.append(plan_copies(self.kv_layers, per_layer, self.kv_pool, job.kv_slots, False))
+        plans.append(self.mamba.plan_restore([[b] for b in job.mamba_blocks], [job.mamba_slot]))
+        return plans
 
     def run_stores(self, plan: StepPlan) -> None:
-        start = time.perf_counter()
-        moved = 0
-        assert self.kv_pool is not None and self.mamba is not None
+        """Submit this step's device -> host copies; they complete off the step (see fence)."""
+        assert self.kv_pool is not None and self.mamba is not None and self.copies is not None
+        plans = []
         if plan.kv_stores:
-            moved += device_to_host(
-                self.kv_layers,
-                self._kv_per_layer(plan.kv_stores.blocks),
-                self.kv_pool,
-                plan.kv_stores.slots,
+            per_layer = self._kv_per_layer(plan.kv_stores.blocks)
+            plans.append(
+                plan_copies(self.kv_layers, per_layer, self.kv_pool, plan.kv_stores.slots, True)
             )
         if plan.mamba_stores:
-            moved += self.mamba.snapshot(plan.mamba_stores.blocks, plan.mamba_stores.slots)
-        self.counters["bytes_stored"] += moved
-        if self.storage is not None:
-            stores = ((KV, plan.kv_stores), (MAMBA, plan.mamba_stores))
-            for kind, batch in stores:
-                self.storage.on_stored(kind, batch.slots, batch.hashes, plan.epoch)
-        elapsed = time.perf_counter() - start
-        self.counters["store_seconds"] += elapsed
-        if moved:
-            self.recorder.observe("store_seconds", elapsed)
-            self.recorder.observe("store_bytes", moved)
+            plans.append(
+                self.mamba.plan_snapshot(plan.mamba_stores.blocks, plan.mamba_stores.slots)
+            )
+        batches = [
+            (kind, batch.slots, batch.hashes)
+            for kind, batch in ((KV, plan.kv_stores), (MAMBA, plan.mamba_stores))
+            if batch
+        ]
+        self.copies.submit_store(plans, StoreDone(batches, plan.epoch))
 
     def take_results(self) -> tuple[set[str], set[str]]:
+        if self.copies is not None:
+            self._to_storage(self.copies.reap_stores())  # write-through starts once copied
+            done, failed = self.copies.reap_loads(wait=not self.copies.engine.overlaps_compute)
+            self._finished |= done
+            self._failed |= failed
         if self.storage is not None:
             if self._idle_step and self.storage.outstanding():
                 time.sleep(IDLE_YIELD_S)
@@ -244,6 +270,8 @@ class WorkerHalf:
 
     def leak_report(self) -> dict[str, int]:
         report = {"unreported_loads": len(self._finished), "unsent_acks": len(self._orphan_acks)}
+        if self.copies is not None:
+            report.update(self.copies.in_flight())
         if self.storage is not None:
             report.update(self.storage.leak_report())
         return report
@@ -255,6 +283,9 @@ class WorkerHalf:
         return out
 
     def shutdown(self) -> None:
+        if self.copies is not None:
+            self.fence()
+            self.copies.close()
         if self.storage is not None:
             self.storage.close()
             self.storage = None

@@ -105,7 +105,7 @@ def main() -> int:
     runs.append(serve("2. repeat"))
     llm.reset_prefix_cache()
     runs.append(serve("3. repeat after GPU reset"))
-    worker.worker.storage.flush(10.0)  # let write-through land
+    worker.worker.flush_storage(10.0)  # let write-through land
     llm.reset_prefix_cache()  # drop the device cache ...
     connector.drop_host_tier()  # ... and the CPU tier; storage stays (as after a restart)
     runs.append(serve("4. after GPU+CPU reset"))

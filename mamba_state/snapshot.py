@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from himamba.tiers.cpu_pool import HostSlotPool
-from himamba.tiers.transfer import LayerBlocks, device_to_host, host_to_device
+from himamba.tiers.transfer import (
+    CopyPlan,
+    LayerBlocks,
+    device_to_host,
+    host_to_device,
+    plan_copies,
+)
 
 NULL_BLOCK = 0
 
@@ -45,3 +51,13 @@ class MambaSnapshotter:
     def restore(self, group_blocks: Sequence[Sequence[int]], slots: Sequence[int]) -> int:
         """Copy host slot ``slots[i]`` into block ``group_blocks[g][i]`` of every group."""
         return host_to_device(self.layers, self._per_layer(group_blocks), self.pool, slots)
+
+    def plan_snapshot(
+        self, group_blocks: Sequence[Sequence[int]], slots: Sequence[int]
+    ) -> CopyPlan:
+        """``snapshot`` as a plan for the copy engine (ids checked now, bytes moved later)."""
+        return plan_copies(self.layers, self._per_layer(group_blocks), self.pool, slots, True)
+
+    def plan_restore(self, group_blocks: Sequence[Sequence[int]], slots: Sequence[int]) -> CopyPlan:
+        """``restore`` as a plan for the copy engine."""
+        return plan_copies(self.layers, self._per_layer(group_blocks), self.pool, slots, False)

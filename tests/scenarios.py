@@ -184,13 +184,18 @@ def batch_pressure(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_failure(args: dict[str, Any]) -> dict[str, Any]:
-    """The worker fails every load (a fault a real copy cannot be made to produce)."""
-    from himamba.connector import worker_side
+    """Every host -> device copy fails on the copy engine's thread (a fault a real copy cannot
+    be made to produce)."""
+    from himamba.tiers.transfer import CopyPlan
 
-    def broken(self: Any, job: Any) -> None:
-        raise RuntimeError("injected load failure")
+    real = CopyPlan.run_host
 
-    worker_side.WorkerHalf._load = broken  # type: ignore[method-assign]
+    def broken(plan: CopyPlan) -> None:
+        if not plan.to_host and plan.nbytes:
+            raise RuntimeError("injected load failure")
+        real(plan)
+
+    CopyPlan.run_host = broken  # type: ignore[method-assign]
     llm = make_llm(args, args["extra"])
     p = args["prompts"][0]
     cold = generate(llm, [p])[0]
@@ -224,7 +229,7 @@ def _worker_flush(timeout_s: float = 10.0) -> dict[str, Any]:
         return {}
     worker = get_kv_transfer_group()
     if worker.worker is not None and worker.worker.storage is not None:
-        worker.worker.storage.flush(timeout_s)
+        worker.worker.flush_storage(timeout_s)
     return worker.stats()
 
 

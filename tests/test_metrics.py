@@ -190,7 +190,7 @@ def test_storage_hit_and_storage_traffic_are_exported(make_engine, tmp_path: Pat
     prompt = prompt_of(4, 80)
     writer, written = make_engine(connector_config=cfg)
     serve(writer, "a", prompt)
-    writer.runners[0].connector.worker.storage.flush(10)
+    writer.runners[0].connector.worker.flush_storage(10)
     writer.idle_steps(2)  # the flushed writes' results reach the stats
     w = worker_counters(writer)
     assert w["storage_puts_ok"] > 0
@@ -236,7 +236,7 @@ def test_corrupted_objects_are_counted_as_checksum_errors(make_engine, tmp_path:
     assert _corrupt_payloads(tmp_path) > 0
     reader, read = make_engine(connector_config=cfg)
     serve(reader, "b", prompt)
-    reader.runners[0].connector.worker.storage.flush(10)
+    reader.runners[0].connector.worker.flush_storage(10)
     reader.idle_steps(2)
     assert reader.hits.storage == 0
     assert read.counter("storage_errors", kind="checksum") >= 1
@@ -252,7 +252,7 @@ def test_failed_writes_open_the_breaker_and_the_gauge_shows_it(make_engine, tmp_
         )
         for i in range(3):
             serve(engine, f"r{i}", prompt_of(20 + i, 80))
-        engine.runners[0].connector.worker.storage.flush(10)
+        engine.runners[0].connector.worker.flush_storage(10)
         engine.idle_steps(2)
     assert exported.counter("storage_errors", kind="backend") >= 2
     assert exported.counter("storage_breaker_opens") >= 1
@@ -276,7 +276,7 @@ def test_slow_reads_are_counted_as_timeouts_and_missing_reads_as_missing(
         faults.release()
         faults.fail_rate_load = 1.0  # the adapter answers, but cannot load the objects
         serve(reader, "b", prompt_of(7, 80))
-        reader.runners[0].connector.worker.storage.flush(10)
+        reader.runners[0].connector.worker.flush_storage(10)
         reader.idle_steps(2)
     assert read.counter("storage_errors", kind="timeout") >= 1
     assert read.counter("storage_errors", kind="missing") >= 1

@@ -7,11 +7,12 @@ Each layer is reduced to one or two *byte segments*: uint8 views
 in the split layout). A host slot row is the concatenation of a layer's
 segments, so the stored bytes do not depend on the dtype view.
 
-Why per-row numpy copies on CPU: on this torch CPU build ``Tensor.copy_``,
-``index_select`` and ``index_copy_`` of uint8 rows move 0.2-0.6 GB/s, while a
-numpy row assignment over the same memory is a memcpy (~10 GB/s; measured in
-benchmarks/bench_transfer.py). On a GPU the opposite holds: gather on the
-device, then one device-to-host copy.
+A batch becomes a ``CopyPlan``: runs of consecutive (block, slot) pairs per segment, so a
+request whose blocks and slots are consecutive moves with one copy per layer. On CPU a run is a
+numpy slice assignment (a memcpy that releases the GIL; torch's ``index_select`` /
+``index_copy_`` of uint8 rows move 0.2-0.6 GB/s on this build); on a GPU the plan becomes
+pointer lists for one batched DMA call (``transfer_cuda``), pinned pool to device memory
+without staging.
 """
 
 from __future__ import annotations
@@ -77,57 +78,118 @@ class LayerBlocks:
         return torch.cat([seg.index_select(0, idx) for seg in self.segments], dim=1)
 
 
-def _pairs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int]]:
+def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first block, first slot, count)`` for each stretch where both ids go up by one.
+
+    vLLM hands out blocks from a free queue and the host pool hands out slots in order, so a
+    request's blocks and slots are often consecutive: one copy of ``count`` rows moves them.
+    """
     if len(block_ids) != len(slots):
         raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
-    return list(zip(block_ids, slots, strict=True))
+    runs: list[tuple[int, int, int]] = []
+    for b, s in zip(block_ids, slots, strict=True):
+        if runs:
+            b0, s0, n = runs[-1]
+            if b == b0 + n and s == s0 + n:
+                runs[-1] = (b0, s0, n + 1)
+                continue
+        runs.append((b, s, 1))
+    return runs
 
 
-def _copy_segment(
-    seg: torch.Tensor,
-    np_seg: np.ndarray | None,
-    host: torch.Tensor,
-    np_host: np.ndarray,
-    pairs: list[tuple[int, int]],
-    to_host: bool,
-) -> None:
-    """Move rows between one cache segment and its column range of a pool row."""
-    if np_seg is not None:  # host-resident cache: numpy row copies (memcpy)
-        if to_host:
-            for block, slot in pairs:
-                np_host[slot] = np_seg[block]
-        else:
-            for block, slot in pairs:
-                np_seg[block] = np_host[slot]
-        return
-    idx = torch.tensor([b for b, _ in pairs], dtype=torch.long, device=seg.device)
-    rows = torch.tensor([s for _, s in pairs], dtype=torch.long)
+@dataclass(frozen=True)
+class SegmentCopy:
+    """One run of rows between a cache segment and its columns of a pool row."""
+
+    seg: torch.Tensor  # uint8 [num_blocks, seg_bytes] view of the cache
+    np_seg: np.ndarray | None  # the same bytes as numpy when the cache is in host memory
+    host: torch.Tensor  # uint8 [num_slots, seg_bytes] columns of the pool's layer rows
+    np_host: np.ndarray
+    block: int
+    slot: int
+    count: int
+
+
+@dataclass
+class CopyPlan:
+    """Every copy of one batch, in order, and the bytes it moves.
+
+    Built on the caller's thread (ids are checked there, errors surface at once); run later on
+    a copy thread (numpy slice copies release the GIL) or as one pointer list on a GPU stream.
+    """
+
+    to_host: bool
+    copies: list[SegmentCopy]
+    nbytes: int
+
+    def run_host(self) -> None:
+        """Execute on the CPU: one numpy copy per run (a memcpy per row, no Python per row)."""
+        for c in self.copies:
+            if c.np_seg is None:
+                run_torch(c, self.to_host)
+                continue
+            cache_rows = c.np_seg[c.block : c.block + c.count]
+            pool_rows = c.np_host[c.slot : c.slot + c.count]
+            if self.to_host:
+                pool_rows[...] = cache_rows
+            else:
+                cache_rows[...] = pool_rows
+
+    def pointer_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """``(src, dst, size)`` byte ranges for a batched copy (``swap_blocks_batch``); a run
+        whose rows are contiguous on both sides is one range, else one range per row."""
+        srcs: list[int] = []
+        dsts: list[int] = []
+        sizes: list[int] = []
+        for c in self.copies:
+            seg_bytes = c.seg.shape[1]
+            cache0 = c.seg.data_ptr() + c.block * c.seg.stride(0)
+            host0 = c.host.data_ptr() + c.slot * c.host.stride(0)
+            dense = c.seg.stride(0) == seg_bytes and c.host.stride(0) == seg_bytes
+            rows = [(0, c.count * seg_bytes)] if dense else [(i, seg_bytes) for i in range(c.count)]
+            for i, size in rows:
+                cache = cache0 + i * c.seg.stride(0)
+                host = host0 + i * c.host.stride(0)
+                srcs.append(cache if self.to_host else host)
+                dsts.append(host if self.to_host else cache)
+                sizes.append(size)
+        return srcs, dsts, sizes
+
+
+def run_torch(c: SegmentCopy, to_host: bool, non_blocking: bool = False) -> None:
+    """Device-resident cache without the batched op (tests, benchmarks, fallback): torch
+    slice copies."""
+    cache_rows = c.seg[c.block : c.block + c.count]
+    pool_rows = c.host[c.slot : c.slot + c.count]
     if to_host:
-        host[rows] = seg.index_select(0, idx).to("cpu")
+        pool_rows.copy_(cache_rows, non_blocking=non_blocking)
     else:
-        seg.index_copy_(0, idx, host[rows].pin_memory().to(seg.device, non_blocking=True))
+        cache_rows.copy_(pool_rows, non_blocking=non_blocking)
 
 
-def _transfer(
+def plan_copies(
     layers: Sequence[LayerBlocks],
     layer_block_ids: Sequence[Sequence[int]],
     pool: HostSlotPool,
     slots: Sequence[int],
     to_host: bool,
-) -> int:
-    moved = 0
+) -> CopyPlan:
+    """Block ``layer_block_ids[l][i]`` of layer l <-> slot ``slots[i]``, as runs of rows."""
+    if len(layer_block_ids) != len(layers):
+        raise ValueError(f"block ids for {len(layer_block_ids)} layers, expected {len(layers)}")
+    copies: list[SegmentCopy] = []
+    nbytes = 0
     for li, (layer, ids) in enumerate(zip(layers, layer_block_ids, strict=True)):
-        pairs = _pairs(ids, slots)
+        runs = _runs(ids, slots)
         offset = 0
         for si, seg in enumerate(layer.segments):
             cols = slice(offset, offset + seg.shape[1])
             np_seg = None if layer.np_segments is None else layer.np_segments[si]
-            _copy_segment(
-                seg, np_seg, pool.rows[li][:, cols], pool.np_rows[li][:, cols], pairs, to_host
-            )
+            host, np_host = pool.rows[li][:, cols], pool.np_rows[li][:, cols]
+            copies += [SegmentCopy(seg, np_seg, host, np_host, b, s, n) for b, s, n in runs]
             offset += seg.shape[1]
-        moved += layer.block_bytes * len(pairs)
-    return moved
+        nbytes += layer.block_bytes * len(ids)
+    return CopyPlan(to_host, copies, nbytes)
 
 
 def device_to_host(
@@ -136,8 +198,10 @@ def device_to_host(
     pool: HostSlotPool,
     slots: Sequence[int],
 ) -> int:
-    """Copy block ``layer_block_ids[l][i]`` of layer l into slot ``slots[i]``; returns bytes."""
-    return _transfer(layers, layer_block_ids, pool, slots, to_host=True)
+    """Copy block ``layer_block_ids[l][i]`` of layer l into slot ``slots[i]`` now; returns bytes."""
+    plan = plan_copies(layers, layer_block_ids, pool, slots, to_host=True)
+    plan.run_host()
+    return plan.nbytes
 
 
 def host_to_device(
@@ -146,5 +210,7 @@ def host_to_device(
     pool: HostSlotPool,
     slots: Sequence[int],
 ) -> int:
-    """Copy slot ``slots[i]`` into block ``layer_block_ids[l][i]`` of each layer l."""
-    return _transfer(layers, layer_block_ids, pool, slots, to_host=False)
+    """Copy slot ``slots[i]`` into block ``layer_block_ids[l][i]`` of each layer l now."""
+    plan = plan_copies(layers, layer_block_ids, pool, slots, to_host=False)
+    plan.run_host()
+    return plan.nbytes

@@ -2,7 +2,7 @@
 
 - storage ops held back or failed: a proxy around the LMCache L2 adapter (the store's own
   deadlines, breaker and validation stay real);
-- a failed host->device copy: ``host_to_device`` raising;
+- a failed host->device copy: ``CopyPlan.run_host`` raising on the copy thread;
 - lost or late worker acknowledgements: one rank's ``kv_connector_worker_meta`` dropped or
   delayed at the ModelRunnerOutput boundary, where vLLM would deliver it.
 """
@@ -188,7 +188,7 @@ def faulty_storage(faults: StorageFaults) -> Iterator[StorageFaults]:
 
 @dataclass
 class LoadFaults:
-    """Make ``host_to_device`` raise: for the next ``fail_next`` calls, or with a rate."""
+    """Make host -> device copies raise: for the next ``fail_next`` loads, or with a rate."""
 
     fail_next: int = 0
     fail_rate: float = 0.0
@@ -207,18 +207,22 @@ class LoadFaults:
 
 @contextlib.contextmanager
 def failing_loads(faults: LoadFaults) -> Iterator[LoadFaults]:
-    from himamba.tiers import transfer
+    """Fail host -> device copies on the copy engine's thread, where a real one would fail."""
+    from himamba.tiers.transfer import CopyPlan
 
-    real: Callable[..., Any] = transfer.host_to_device
+    real: Callable[..., Any] = CopyPlan.run_host
 
-    def host_to_device(*args: Any, **kwargs: Any) -> Any:
-        if faults.should_fail():
+    def run_host(plan: CopyPlan) -> None:
+        if not plan.to_host and plan.nbytes and faults.should_fail():
             faults.failed += 1
             raise RuntimeError("injected host->device copy failure")
-        return real(*args, **kwargs)
+        real(plan)
 
-    with replaced_everywhere("himamba.tiers.transfer", "host_to_device", host_to_device):
+    CopyPlan.run_host = run_host  # type: ignore[method-assign]
+    try:
         yield faults
+    finally:
+        CopyPlan.run_host = real  # type: ignore[method-assign]
 
 
 # -- worker metadata at the ModelRunnerOutput boundary -------------------------------------

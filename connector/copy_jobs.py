@@ -1,0 +1,117 @@
+"""The worker's copies in flight: stores that still read device blocks, loads not yet reported.
+
+Why stores may run past ``wait_for_save``: the forward of the next step is what could
+overwrite a source block (a freed block handed to another request, a preempted request's
+blocks, a Mamba block vLLM stops retaining). ``fence`` is called at the first worker hook of
+every step (``handle_preemptions``, before vLLM zeroes or copies any block) and waits for every
+store still running, so no block is ever rewritten while a store reads it, whatever freed it.
+On a GPU the engine already orders this on the device (the compute stream waits for the copy
+event), so the fence there never blocks the CPU for block safety.
+
+Host slots become readable (storage writes, and through the scheduler, loads) only after their
+store completed: completed stores are handed back by ``reap_stores`` and only then given to
+storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from himamba.connector.metrics import StatsRecorder
+from himamba.tiers.transfer import CopyPlan
+from himamba.tiers.transfer_engine import HostCopyEngine
+
+
+class CopyFailed(RuntimeError):
+    """A store copy failed: its host slots hold unknown bytes, so serving on is unsafe."""
+
+
+@dataclass
+class StoreDone:
+    """A completed store: which host slots now hold which blocks (for storage write-through)."""
+
+    batches: list[tuple[int, list[int], list[bytes]]]  # (object kind, slots, hashes)
+    epoch: str
+
+
+@dataclass
+class _Store:
+    done: StoreDone
+    nbytes: int
+
+
+@dataclass
+class _Load:
+    req_id: str
+    nbytes: int
+
+
+class CopyJobs:
+    def __init__(
+        self, engine: HostCopyEngine, counters: dict[str, float], recorder: StatsRecorder
+    ) -> None:
+        self.engine = engine
+        self._counters = counters
+        self._recorder = recorder
+        self._stores: dict[int, _Store] = {}
+        self._loads: dict[int, _Load] = {}
+
+    # -- stores ---------------------------------------------------------------------------
+    def submit_store(self, plans: Sequence[CopyPlan], done: StoreDone) -> None:
+        nbytes = sum(p.nbytes for p in plans)
+        if not nbytes:
+            return
+        job = self.engine.submit(plans)
+        self._stores[job] = _Store(done, nbytes)
+
+    def fence(self) -> list[StoreDone]:
+        """Wait for every store in flight; returns them (completed) for storage."""
+        if not self._stores:
+            return []
+        self.engine.wait(list(self._stores))
+        return self.reap_stores()
+
+    def reap_stores(self) -> list[StoreDone]:
+        """Stores that completed since the last call (non-blocking)."""
+        out = []
+        for r in self.engine.collect(list(self._stores)):
+            store = self._stores.pop(r.job_id)
+            if not r.ok:
+                raise CopyFailed(f"himamba: a store into the host tier failed: {r.error}")
+            self._counters["bytes_stored"] += store.nbytes
+            self._counters["store_seconds"] += r.seconds
+            self._recorder.observe("store_seconds", r.seconds)
+            self._recorder.observe("store_bytes", store.nbytes)
+            out.append(store.done)
+        return out
+
+    # -- loads ----------------------------------------------------------------------------
+    def submit_load(self, req_id: str, plans: Sequence[CopyPlan]) -> None:
+        job = self.engine.submit(plans)
+        self._loads[job] = _Load(req_id, sum(p.nbytes for p in plans))
+
+    def reap_loads(self, wait: bool) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids of loads that completed; with ``wait``, all of them."""
+        if wait and self._loads:
+            self.engine.wait(list(self._loads))
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for r in self.engine.collect(list(self._loads)):
+            load = self._loads.pop(r.job_id)
+            finished.add(load.req_id)
+            if not r.ok:
+                failed.add(load.req_id)
+                self._counters["loads_failed"] += 1
+                continue
+            self._counters["bytes_loaded"] += load.nbytes
+            self._counters["load_seconds"] += r.seconds
+            self._recorder.observe("load_seconds", r.seconds)
+            self._recorder.observe("load_bytes", load.nbytes)
+        return finished, failed
+
+    def in_flight(self) -> dict[str, int]:
+        return {"stores_in_flight": len(self._stores), "loads_in_flight": len(self._loads)}
+
+    def close(self) -> None:
+        self.engine.close()
