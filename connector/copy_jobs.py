@@ -110,6 +110,10 @@ class CopyJobs:
             self._recorder.observe("load_bytes", load.nbytes)
         return finished, failed
 
+    def store_jobs(self) -> set[int]:
+        """Ids of the store jobs not yet fenced or reaped."""
+        return set(self._stores)
+
     def in_flight(self) -> dict[str, int]:
         return {"stores_in_flight": len(self._stores), "loads_in_flight": len(self._loads)}
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -97,9 +98,9 @@ def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int
     return runs
 
 
-@dataclass(frozen=True)
-class SegmentCopy:
-    """One run of rows between a cache segment and its columns of a pool row."""
+class SegmentCopy(NamedTuple):
+    """One run of rows between a cache segment and its columns of a pool row (a tuple: a
+    random batch makes thousands of them, so they must be cheap to build)."""
 
     seg: torch.Tensor  # uint8 [num_blocks, seg_bytes] view of the cache
     np_seg: np.ndarray | None  # the same bytes as numpy when the cache is in host memory
@@ -124,16 +125,18 @@ class CopyPlan:
 
     def run_host(self) -> None:
         """Execute on the CPU: one numpy copy per run (a memcpy per row, no Python per row)."""
+        to_host = self.to_host
         for c in self.copies:
-            if c.np_seg is None:
-                run_torch(c, self.to_host)
-                continue
-            cache_rows = c.np_seg[c.block : c.block + c.count]
-            pool_rows = c.np_host[c.slot : c.slot + c.count]
-            if self.to_host:
-                pool_rows[...] = cache_rows
+            np_seg, np_host, block, slot, count = c.np_seg, c.np_host, c.block, c.slot, c.count
+            if np_seg is None:
+                run_torch(c, to_host)
+            elif count == 1:  # a single row: integer indexing is the cheapest view
+                if to_host:
+                    np_host[slot] = np_seg[block]
+                else:
+                    np_seg[block] = np_host[slot]
             else:
-                cache_rows[...] = pool_rows
+                _copy_run(np_seg, np_host, block, slot, count, to_host)
 
     def pointer_lists(self) -> tuple[list[int], list[int], list[int]]:
         """``(src, dst, size)`` byte ranges for a batched copy (``swap_blocks_batch``); a run
@@ -154,6 +157,17 @@ class CopyPlan:
                 dsts.append(host if self.to_host else cache)
                 sizes.append(size)
         return srcs, dsts, sizes
+
+
+def _copy_run(
+    np_seg: np.ndarray, np_host: np.ndarray, block: int, slot: int, count: int, to_host: bool
+) -> None:
+    cache_rows = np_seg[block : block + count]
+    pool_rows = np_host[slot : slot + count]
+    if to_host:
+        pool_rows[...] = cache_rows
+    else:
+        cache_rows[...] = pool_rows
 
 
 def run_torch(c: SegmentCopy, to_host: bool, non_blocking: bool = False) -> None:
