@@ -2,9 +2,9 @@
 
 Runs inside vLLM's worker step, so nothing here blocks on storage: it submits to the store and
 drains completions once per step. Fetched bytes reach a host slot only after the store validated
-them (header, size, checksum) and only while their fetch is live: a cancelled fetch's late bytes
-are dropped, because the scheduler may already have handed its slots to someone else (see
-fetch_protocol). Each finished fetch is acknowledged once, with this worker's rank.
+them (header, size, checksum), straight into the slot, and only while their fetch is live: a
+cancel waits out a copy in progress and stops later ones, because the scheduler may hand its
+slots to someone else in the same plan (see fetch_protocol). Each finished fetch is acknowledged once, with this worker's rank.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from himamba.connector.fetch_protocol import FetchAck, FetchOrder
 from himamba.connector.kv_events import StorageOp, StorageOutcome
@@ -29,6 +27,7 @@ from himamba.tiers.object_format import (
     StorageKey,
     stored_size,
 )
+from himamba.tiers.staging import SegmentedBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +37,10 @@ _SERIES = {KV_OBJECT: "storage,kv", MAMBA_OBJECT: "storage,mamba"}
 @dataclass
 class _Get:
     order: FetchOrder
-    # Where each item's validated bytes land before they are copied into the slot: the store
-    # writes them from its own threads, and only this thread ever touches the pool.
-    buffers: list[torch.Tensor]
+    # Each item's host slot, as the store's destination: validated bytes land there directly,
+    # from the store's threads, only while the get is live (``cancel`` waits out a copy in
+    # progress), so a slot the scheduler reclaims is never written after.
+    buffers: list[SegmentedBuffer]
 
 
 class WorkerStorage:
@@ -139,6 +139,7 @@ class WorkerStorage:
         for fid in fetch_ids:
             tid = self._fetch_tasks.pop(fid, None)
             if tid is not None and self._gets.pop(tid, None) is not None:
+                self.store.cancel(tid)  # before the scheduler's reuse of its slots, this step
                 self.counters["storage_gets_cancelled"] += 1
 
     def fetch(self, orders: Sequence[FetchOrder]) -> None:
@@ -147,7 +148,7 @@ class WorkerStorage:
                 StorageKey(it.block_hash, ObjectKind(it.kind), order.epoch) for it in order.items
             ]
             bufs = [
-                torch.empty(self.pools[it.kind].slot_bytes, dtype=torch.uint8) for it in order.items
+                SegmentedBuffer(self.pools[it.kind].slot_segments(it.slot)) for it in order.items
             ]
             tid = self.store.submit_get(keys, bufs)
             self._gets[tid] = _Get(order, bufs)
@@ -161,6 +162,8 @@ class WorkerStorage:
             FetchAck(get.order.fetch_id, self.rank, (False,) * len(get.order.items))
             for get in self._gets.values()
         ]
+        for tid in self._gets:
+            self.store.cancel(tid)
         self._gets.clear()
         self._fetch_tasks.clear()
         return acks
@@ -205,11 +208,10 @@ class WorkerStorage:
         oks: list[bool] = []
         for i, (item, buf) in enumerate(zip(get.order.items, get.buffers, strict=True)):
             ok = res.error is None and i < len(res.ok) and bool(res.ok[i])
-            if ok:
-                self.pools[item.kind].write_slot(item.slot, buf)
+            if ok:  # the store already wrote the slot
                 self._dirty.pop((item.kind, item.slot), None)
                 self.counters["storage_gets_ok"] += 1
-                self.counters["storage_bytes_read"] += buf.numel()
+                self.counters["storage_bytes_read"] += buf.nbytes
             else:
                 self.counters["storage_gets_failed"] += 1
                 if self.outcomes is not None and res.error is None:  # missing or invalid here

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -238,6 +239,48 @@ def test_large_get_is_loaded_in_several_adapter_calls_and_still_exact(storage_di
         assert calls == [3, 3, 3, 3]  # 4 MiB calls of (1 MiB + 64-byte header) objects
         assert all(torch.equal(dst[i], data[i]) for i in range(12) if i != 7)
         assert not dst[7].any() and s.stats.invalid == {"checksum": 1}
+    finally:
+        s.close()
+
+
+def test_get_writes_straight_into_a_slots_segments_and_a_cancel_stops_every_later_write(
+    storage_dir: Path,
+):
+    """A fetch lands in the host slot's per-layer rows with no buffer in between; a cancelled
+    get never writes after ``cancel`` returned (the scheduler reuses its slots at once)."""
+    from himamba.tiers.adapter_health import create_lmcache_adapter
+    from himamba.tiers.staging import SegmentedBuffer
+
+    def slow_factory(spec):
+        ad = create_lmcache_adapter(spec)
+        real = ad.submit_load_task
+
+        def submit_load_task(keys, objs):
+            time.sleep(0.4)  # the adapter answers after the caller gave up
+            return real(keys, objs)
+
+        ad.submit_load_task = submit_load_task
+        return ad
+
+    cfg = StorageConfig.from_dict({"url": f"file://{storage_dir}", "op_deadline_s": 10.0})
+    s = LMCacheStore(cfg, ns(), adapter_factory=slow_factory)
+    try:
+        k, d = StorageKey(h(300), KV), payload(300, 3 * 4096)
+        assert run(s, s.submit_put([k], [d])).ok == (True,)
+        rows = np.zeros((3, 2, 4096), dtype=np.uint8)  # 3 "layers" x 2 slots
+        slot = SegmentedBuffer([rows[layer, 1] for layer in range(3)])
+        assert run(s, s.submit_get([k], [slot])).ok == (True,)
+        assert np.array_equal(rows[:, 1].reshape(-1), d.numpy()) and not rows[:, 0].any()
+        rows[:] = 0
+        tid = s.submit_get([k], [slot])
+        time.sleep(0.05)
+        s.cancel(tid)
+        r = run(s, tid)
+        assert r.error == "cancelled" and r.ok == (False,)
+        time.sleep(0.8)  # the adapter's late answer is validated, never copied
+        assert not rows.any()
+        with pytest.raises(ValueError, match="one whole payload"):
+            slot[:] = np.zeros(10, np.uint8)
     finally:
         s.close()
 

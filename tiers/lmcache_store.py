@@ -93,6 +93,11 @@ class LMCacheStore:
         (and never after its task was reported)."""
         return self._pipeline.submit(OpKind.GET, keys, dsts)
 
+    def cancel(self, task_id: int) -> None:
+        """Give a get up: when this returns nothing more is written into its destinations
+        (copies in progress are waited out), so they may be reused at once."""
+        self._pipeline.cancel(task_id)
+
     def submit_exists(self, keys: Sequence[StorageKey]) -> int:
         return self._pipeline.submit(OpKind.EXISTS, keys, None)
 

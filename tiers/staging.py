@@ -75,8 +75,29 @@ class WriteBudget:
         return self._peak
 
 
-def as_bytes(x: Any, writable: bool = False) -> np.ndarray:
-    """Zero-copy flat uint8 view of a contiguous CPU tensor/array (any dtype) or bytes-like."""
+class SegmentedBuffer:
+    """A get destination made of several byte views written back to back (a host slot's
+    per-layer rows): the store writes a validated payload straight into them, with no buffer
+    in between. Only ``dst[:] = payload`` is supported, which is all the store does."""
+
+    def __init__(self, segments: Sequence[np.ndarray]) -> None:
+        self.segments = [as_bytes(s, writable=True) for s in segments]
+        self.nbytes = sum(s.nbytes for s in self.segments)
+
+    def __setitem__(self, key: slice, src: np.ndarray) -> None:
+        if key != slice(None) or src.nbytes != self.nbytes:
+            raise ValueError(f"a {self.nbytes}-byte destination takes exactly one whole payload")
+        off = 0
+        for seg in self.segments:
+            seg[:] = src[off : off + seg.nbytes]
+            off += seg.nbytes
+
+
+def as_bytes(x: Any, writable: bool = False) -> Any:
+    """Zero-copy flat uint8 view of a contiguous CPU tensor/array (any dtype) or bytes-like
+    (a ``SegmentedBuffer`` passes through as it is)."""
+    if isinstance(x, SegmentedBuffer):
+        return x
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu" or not x.is_contiguous():
             raise ValueError("storage buffers must be contiguous CPU tensors")

@@ -36,6 +36,7 @@ class TaskError(str, Enum):
     ADAPTER = "adapter"  # the adapter raised on submit
     ADAPTER_RECREATED = "adapter_recreated"  # its adapter was replaced before it answered
     CLOSED = "closed"  # the store closed first
+    CANCELLED = "cancelled"  # the caller gave the get up: nothing is written into it after
 
 
 class TaskState(Enum):

@@ -143,6 +143,14 @@ class TaskPipeline:
         self._post(lambda: self._start(task))
         return task.id
 
+    def cancel(self, task_id: int) -> None:
+        """Finish a live task now (any thread): copies into its destinations that already
+        started are waited out, none starts after, so the caller may reuse them at once."""
+        with self._live_lock:
+            task = self._live.get(task_id)
+        if task is not None:
+            self._finish(task, TaskError.CANCELLED)
+
     def poll(self) -> list[TaskResult]:
         with self._cv:
             out = list(self._results.values())
