@@ -5,6 +5,9 @@ submit + header + checksum (`--checksum`, default the config's) + LMCache L2 ada
 `fs_native` and `fs` over a temp directory and on `resp` over a private redis-server (127.0.0.1, free port, no persistence). The references, same run,
 same bytes: one file per object with open/write/close and open/readinto (page-cache warm, like
 the adapter reads), and for Redis a redis-py pipeline of SET/GET. Ratio = ours / reference.
+`fs_native_into_slot` reads as the connector's fetches do, straight into a host slot's 32
+per-layer rows; `fs_native_fresh_copy` as they did before (a fresh buffer per object, then a
+copy into the rows).
 Reps are interleaved across variants and each write phase starts after `os.sync()`, so dirty-page
 writeback from one variant does not land on the next; best of `--reps`.
 
@@ -23,13 +26,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from himamba.tiers.lmcache_store import LMCacheStore
 from himamba.tiers.object_format import LayoutFingerprint, Namespace, ObjectKind, StorageKey
+from himamba.tiers.staging import SegmentedBuffer
 from himamba.tiers.storage_config import StorageConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+SLOT_LAYERS = 32  # per-layer rows of a host slot (the "slot" and "fresh_copy" variants)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -48,7 +56,13 @@ class StoreRun:
     holds the whole working set: this measures throughput, not backpressure (a put refused
     for room would fail the run's assertion, never pass silently)."""
 
-    def __init__(self, where: str | dict, working_set_bytes: int, checksum: str | None) -> None:
+    def __init__(
+        self, where: str | dict, working_set_bytes: int, checksum: str | None, dst: str = "buffer"
+    ) -> None:
+        # dst: "buffer" (a caller buffer per object), "slot" (the connector's fetch path: straight
+        # into a host slot's 32 per-layer rows), "fresh_copy" (its previous path: a fresh
+        # buffer per object, then a copy into the slot's rows).
+        self.dst = dst
         cfg = {"adapter": where} if isinstance(where, dict) else {"url": where}
         write_buffer_mb = 2 * (working_set_bytes >> 20) + 64
         self.store = LMCacheStore(
@@ -70,7 +84,10 @@ class StoreRun:
             StorageKey(f"{rep}:{i}".encode().ljust(32, b"."), ObjectKind.KV)
             for i in range(len(objs))
         ]
-        dsts = [torch.zeros_like(o) for o in objs]
+        dsts: list = [torch.zeros_like(o) for o in objs]
+        pool = np.zeros((SLOT_LAYERS, len(objs), objs[0].numel() // SLOT_LAYERS), np.uint8)
+        if self.dst == "slot":
+            dsts = [SegmentedBuffer(list(pool[:, i])) for i in range(len(objs))]
 
         def run(submit, bufs) -> None:
             tids = [
@@ -78,9 +95,22 @@ class StoreRun:
             ]
             assert all(s.wait(x, 300).num_ok == len(bufs[:batch]) for x in tids)
 
+        def fresh_then_copy() -> None:
+            fresh = [torch.empty_like(o) for o in objs]
+            run(s.submit_get, fresh)
+            for i, f in enumerate(fresh):
+                pool[:, i] = f.numpy().reshape(SLOT_LAYERS, -1)
+
         tw = _timed(lambda: run(s.submit_put, objs))
-        tr = _timed(lambda: run(s.submit_get, dsts))
-        assert all(torch.equal(a, b) for a, b in zip(dsts, objs, strict=True))
+        if self.dst == "fresh_copy":
+            tr = _timed(fresh_then_copy)
+        else:
+            tr = _timed(lambda: run(s.submit_get, dsts))
+        if self.dst == "buffer":
+            assert all(torch.equal(a, b) for a, b in zip(dsts, objs, strict=True))
+        else:
+            got = [pool[:, i].reshape(-1) for i in range(len(objs))]
+            assert all(np.array_equal(g, o.numpy()) for g, o in zip(got, objs, strict=True))
         s.wait(s.submit_delete(keys), 60)  # keep disk / Redis usage flat across reps
         return tw, tr
 
@@ -162,6 +192,12 @@ def main() -> None:
         runs: dict = {
             "raw_file": lambda r: raw_files_rep(root / "raw", r, objs),
             "fs_native": StoreRun(f"file://{root / 'fsn'}", total, args.checksum),
+            "fs_native_into_slot": StoreRun(
+                f"file://{root / 'fsn2'}", total, args.checksum, "slot"
+            ),
+            "fs_native_fresh_copy": StoreRun(
+                f"file://{root / 'fsn3'}", total, args.checksum, "fresh_copy"
+            ),
             "fs": StoreRun(
                 {"type": "fs", "base_path": str(root / "fs"), "relative_tmp_dir": "tmp"},
                 total,
@@ -182,7 +218,7 @@ def main() -> None:
                 best[name] = [min(best[name][0], tw), min(best[name][1], tr)]
         for name, (tw, tr) in best.items():
             out[name] = {"write_GBps": _gbps(total, tw), "read_GBps": _gbps(total, tr)}
-        for name in ("fs_native", "fs", "resp"):
+        for name in ("fs_native", "fs_native_into_slot", "fs_native_fresh_copy", "fs", "resp"):
             if name in out:
                 out[name].update(_ratio(out[name], out["raw_file"]))
         if "resp" in out:

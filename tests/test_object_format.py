@@ -14,35 +14,26 @@ import importlib.util
 import pytest
 
 from himamba.tiers import object_format
-from himamba.tiers.object_format import (
-    HEADER_SIZE,
-    ChecksumAlgo,
-    LayoutFingerprint,
-    Namespace,
-    ObjectKind,
-    StorageKey,
-    encode_object,
-    key_digest,
-    resolve_algo,
-    validate_object,
-)
+from himamba.tiers.object_format import HEADER_SIZE, ChecksumAlgo, key_digest, resolve_algo
 from himamba.tiers.storage_config import StorageConfig
 
 pytest.importorskip("xxhash")
 
-NS = Namespace("org/model", LayoutFingerprint(16, "bfloat16", (4, 2, 16, 2, 64)))
-KEY = StorageKey(b"\x07" * 32, ObjectKind.KV)
+NS = object_format.Namespace(
+    "org/model", object_format.LayoutFingerprint(16, "bfloat16", (4, 2, 16, 2, 64))
+)
+KEY = object_format.StorageKey(b"\x07" * 32, object_format.ObjectKind.KV)
 
 
 def sealed(payload: bytes, algo: ChecksumAlgo) -> bytearray:
     buf = bytearray(HEADER_SIZE + len(payload))
-    encode_object(memoryview(buf), memoryview(payload), kind=KEY.kind,
+    object_format.encode_object(memoryview(buf), memoryview(payload), kind=KEY.kind,
                   layout_digest=NS.digest(), key_dig=key_digest(NS, KEY), algo=algo)  # fmt: skip
     return buf
 
 
 def check(buf: bytearray, algo: ChecksumAlgo, n: int) -> str | None:
-    return validate_object(memoryview(buf), kind=KEY.kind, payload_nbytes=n,
+    return object_format.validate_object(memoryview(buf), kind=KEY.kind, payload_nbytes=n,
                            layout_digest=NS.digest(), key_dig=key_digest(NS, KEY), algo=algo)  # fmt: skip
 
 

@@ -206,27 +206,31 @@ def test_object_checksummed_with_another_algorithm_is_a_miss_counted_and_deleted
     r.close()
 
 
-def test_large_get_is_loaded_in_several_adapter_calls_and_still_exact(storage_dir: Path):
-    """One adapter call per task made every check wait for the task's last byte (issue 9:
-    reads at 0.2x of file I/O); calls of ~4 MiB let the CPU workers verify and copy the first
-    objects while the adapter still reads the rest. A corrupt object stays a per-key miss."""
+def store_with_load_hook(storage_dir: Path, hook: Callable[[list], object]) -> LMCacheStore:
+    """A store on `storage_dir` whose adapter calls `hook(keys)` before each load call."""
     from himamba.tiers.adapter_health import create_lmcache_adapter
 
-    calls: list[int] = []
-
-    def counting_factory(spec):
+    def factory(spec):
         ad = create_lmcache_adapter(spec)
         real = ad.submit_load_task
 
         def submit_load_task(keys, objs):
-            calls.append(len(keys))
+            hook(keys)
             return real(keys, objs)
 
         ad.submit_load_task = submit_load_task
         return ad
 
     cfg = StorageConfig.from_dict({"url": f"file://{storage_dir}", "op_deadline_s": 10.0})
-    s = LMCacheStore(cfg, ns(), adapter_factory=counting_factory)
+    return LMCacheStore(cfg, ns(), adapter_factory=factory)
+
+
+def test_large_get_is_loaded_in_several_adapter_calls_and_still_exact(storage_dir: Path):
+    """One adapter call per task made every check wait for the task's last byte (issue 9:
+    reads at 0.2x of file I/O); calls of ~4 MiB let the CPU workers verify and copy the first
+    objects while the adapter still reads the rest. A corrupt object stays a per-key miss."""
+    calls: list[int] = []
+    s = store_with_load_hook(storage_dir, lambda keys: calls.append(len(keys)))
     try:
         keys = [StorageKey(h(100 + i), KV) for i in range(12)]
         data = [payload(100 + i, 1 << 20) for i in range(12)]
@@ -248,22 +252,10 @@ def test_get_writes_straight_into_a_slots_segments_and_a_cancel_stops_every_late
 ):
     """A fetch lands in the host slot's per-layer rows with no buffer in between; a cancelled
     get never writes after ``cancel`` returned (the scheduler reuses its slots at once)."""
-    from himamba.tiers.adapter_health import create_lmcache_adapter
     from himamba.tiers.staging import SegmentedBuffer
 
-    def slow_factory(spec):
-        ad = create_lmcache_adapter(spec)
-        real = ad.submit_load_task
-
-        def submit_load_task(keys, objs):
-            time.sleep(0.4)  # the adapter answers after the caller gave up
-            return real(keys, objs)
-
-        ad.submit_load_task = submit_load_task
-        return ad
-
-    cfg = StorageConfig.from_dict({"url": f"file://{storage_dir}", "op_deadline_s": 10.0})
-    s = LMCacheStore(cfg, ns(), adapter_factory=slow_factory)
+    # The adapter answers after the caller gave up.
+    s = store_with_load_hook(storage_dir, lambda keys: time.sleep(0.4))
     try:
         k, d = StorageKey(h(300), KV), payload(300, 3 * 4096)
         assert run(s, s.submit_put([k], [d])).ok == (True,)

@@ -15,7 +15,7 @@ from himamba.tiers.transfer import CopyPlan
 
 from .conftest import connector_config
 from .leaks import assert_no_leaks
-from .workload import prompt_of
+from .workload import assert_host_tier_replays, prompt_of
 
 
 @contextmanager
@@ -83,12 +83,8 @@ def test_a_step_does_not_wait_for_its_stores_and_the_next_step_fences_them(
         assert unfenced_at_update == [set()], "blocks were updated before the store finished"
         assert not held & _worker(engine).copies.store_jobs()  # fenced (new ones may exist)
         engine.run_until_idle()
-    # The stored bytes are the ones the forward wrote (the runner checks every loaded byte).
-    assert engine.scheduler.reset_prefix_cache()
-    engine.add_request("b", prompt, max_tokens=3)
-    engine.run_until_idle()
-    assert engine.records["b"].output == engine.records["a"].output
-    assert engine.hits.host == 64, engine.hits
+    # The stored bytes are the ones the forward wrote.
+    assert_host_tier_replays(engine, "b", prompt, like="a", host_tokens=64)
     assert_no_leaks(engine)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from .conftest import connector_config
 from .leaks import assert_no_leaks
-from .workload import prompt_of
+from .workload import assert_host_tier_replays, prompt_of
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -17,9 +17,5 @@ def test_cpu_tier_hit_restores_exact_bytes(make_engine, async_scheduling):
     engine.add_request("a", prompt, max_tokens=3)
     engine.run_until_idle()
     # Drop vLLM's own copy, so only the connector can serve the prefix.
-    assert engine.scheduler.reset_prefix_cache()
-    engine.add_request("b", prompt, max_tokens=3)
-    engine.run_until_idle()
-    assert engine.records["b"].output == engine.records["a"].output
-    assert engine.hits.host == 64, engine.hits
+    assert_host_tier_replays(engine, "b", prompt, like="a", host_tokens=64)
     assert_no_leaks(engine)

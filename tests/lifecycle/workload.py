@@ -31,6 +31,18 @@ def cache_prefix(
     assert engine.scheduler.reset_prefix_cache(), "vLLM kept GPU blocks in use"
 
 
+def assert_host_tier_replays(
+    engine: LifecycleEngine, req_id: str, prompt: list[int], like: str, host_tokens: int
+) -> None:
+    """Drop vLLM's own copy, serve ``prompt`` again: it must hit ``host_tokens`` from the CPU
+    tier and produce ``like``'s tokens (the runner checks every loaded byte)."""
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add_request(req_id, prompt, max_tokens=3)
+    engine.run_until_idle()
+    assert engine.records[req_id].output == engine.records[like].output
+    assert engine.hits.host == host_tokens, engine.hits
+
+
 def waiting_on_connector(engine: LifecycleEngine, req_id: str) -> bool:
     """The connector's last answer for ``req_id`` was 'ask again later' (None)."""
     answers = engine.lookups.get(req_id)
