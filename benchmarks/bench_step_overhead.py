@@ -154,6 +154,11 @@ def main() -> None:
         "ratio_miss_prefill": round(med["connector"]["miss"] / med["none"]["miss"], 3),
         "connector_bytes_stored": (closed["connector"]["worker"] or {}).get("bytes_stored"),
         "connector_store_seconds": (closed["connector"]["worker"] or {}).get("store_seconds"),
+        "connector_copy_rows_per_call": round(
+            (closed["connector"]["worker"] or {}).get("copy_rows", 0)
+            / max(1, (closed["connector"]["worker"] or {}).get("copy_calls", 0)),
+            2,
+        ),
         "load_avg_1min": os.getloadavg()[0],
         "wall_s": round(time.perf_counter() - t_all, 1),
     }

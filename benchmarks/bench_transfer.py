@@ -99,8 +99,8 @@ def main() -> None:
     engine = make_copy_engine(a.device == "cuda")
     gen = torch.Generator().manual_seed(1)
 
-    # 1 GiB, faulted in: the cold memcpy reference reads from here (see cold_memcpy).
-    cold_np = np.ones(1 << 30, dtype=np.uint8) if a.device == "cpu" else np.ones(1, np.uint8)
+    # 2 GiB, faulted in: the cold memcpy reference copies within it (see cold_memcpy).
+    cold_np = np.ones(2 << 30, dtype=np.uint8) if a.device == "cpu" else np.ones(1, np.uint8)
     cursor = [0]
     results = []
     for n in batches:
@@ -141,15 +141,16 @@ def main() -> None:
 
             return call
 
-        # The cache's blocks are not in the CPU's caches when a store reads them; a memcpy that
-        # re-reads one 10 MB buffer is. So also: one memcpy of the same number of bytes from a
-        # source that moves through a buffer as large as the layer caches (cold, like ours).
-        def cold_memcpy(dst: torch.Tensor = dst, nbytes: int = nbytes) -> None:
+        # A store reads blocks that are not in the CPU's caches and writes slots that are not
+        # either; a memcpy that re-reads one 10 MB buffer into another is all cache hits. So the
+        # fair reference: one memcpy of the same number of bytes between two regions that move
+        # through 1 GiB each call (out of cache on both sides, like ours).
+        def cold_memcpy(nbytes: int = nbytes) -> None:
             if a.device != "cpu":
                 return
-            span = cold_np.size - nbytes
-            o = cursor[0] = (cursor[0] + nbytes + 4096) % span
-            np.copyto(dst.numpy(), cold_np[o : o + nbytes])
+            half = cold_np.size // 2
+            o = cursor[0] = (cursor[0] + nbytes + 4096) % (half - nbytes)
+            np.copyto(cold_np[half + o : half + o + nbytes], cold_np[o : o + nbytes])
 
         base_torch = statistics.median(timed(plain, iters))
         base_cold = statistics.median(timed(cold_memcpy, iters))

@@ -62,6 +62,7 @@ class CopyJobs:
         nbytes = sum(p.nbytes for p in plans)
         if not nbytes:
             return
+        self._count(plans)
         job = self.engine.submit(plans)
         self._stores[job] = _Store(done, nbytes)
 
@@ -88,6 +89,7 @@ class CopyJobs:
 
     # -- loads ----------------------------------------------------------------------------
     def submit_load(self, req_id: str, plans: Sequence[CopyPlan]) -> None:
+        self._count(plans)
         job = self.engine.submit(plans)
         self._loads[job] = _Load(req_id, sum(p.nbytes for p in plans))
 
@@ -109,6 +111,11 @@ class CopyJobs:
             self._recorder.observe("load_seconds", r.seconds)
             self._recorder.observe("load_bytes", load.nbytes)
         return finished, failed
+
+    def _count(self, plans: Sequence[CopyPlan]) -> None:
+        # How much runs coalesce in practice: copy_rows / copy_calls is the mean run length.
+        self._counters["copy_rows"] += sum(p.rows for p in plans)
+        self._counters["copy_calls"] += sum(len(p.copies) for p in plans)
 
     def store_jobs(self) -> set[int]:
         """Ids of the store jobs not yet fenced or reaped."""

@@ -71,6 +71,8 @@ class WorkerHalf:
             "load_seconds": 0.0,
             "store_seconds": 0.0,
             "loads_failed": 0,
+            "copy_rows": 0,
+            "copy_calls": 0,
         }
         # Per-operation observations for the Prometheus histograms (connector.stats drains it).
         self.recorder = StatsRecorder()

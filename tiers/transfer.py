@@ -122,6 +122,7 @@ class CopyPlan:
     to_host: bool
     copies: list[SegmentCopy]
     nbytes: int
+    rows: int = 0  # (block, segment) rows it moves; rows / len(copies) = mean run length
 
     def run_host(self) -> None:
         """Execute on the CPU: one numpy copy per run (a memcpy per row, no Python per row)."""
@@ -192,7 +193,7 @@ def plan_copies(
     if len(layer_block_ids) != len(layers):
         raise ValueError(f"block ids for {len(layer_block_ids)} layers, expected {len(layers)}")
     copies: list[SegmentCopy] = []
-    nbytes = 0
+    nbytes = rows = 0
     for li, (layer, ids) in enumerate(zip(layers, layer_block_ids, strict=True)):
         runs = _runs(ids, slots)
         offset = 0
@@ -203,7 +204,8 @@ def plan_copies(
             copies += [SegmentCopy(seg, np_seg, host, np_host, b, s, n) for b, s, n in runs]
             offset += seg.shape[1]
         nbytes += layer.block_bytes * len(ids)
-    return CopyPlan(to_host, copies, nbytes)
+        rows += len(ids) * len(layer.segments)
+    return CopyPlan(to_host, copies, nbytes, rows)
 
 
 def device_to_host(
