@@ -120,7 +120,7 @@ class WorkerHalf:
         """Stop using storage now: running fetches are acknowledged as failed (their slots go
         back to the scheduler), pending writes are flushed, the store is closed."""
         self._open_storage = None
-        self.fence()
+        self.settle()
         if self.storage is not None:
             self._orphan_acks += self.storage.abort_fetches()
             self.storage.close()
@@ -159,14 +159,27 @@ class WorkerHalf:
 
     # -- per step --------------------------------------------------------------
     def fence(self) -> None:
-        """Wait for every store still copying (called before vLLM can rewrite any block of
-        this step); completed stores go on to storage."""
+        """Called before vLLM can rewrite any block of this step. On CPU it waits for every
+        store still copying; on a GPU the device already orders them (the compute stream waits
+        for each store's event), so it only hands the completed ones on. Completed stores go on
+        to storage."""
+        if self.copies is None:
+            return
+        if self.copies.engine.overlaps_compute:
+            self._to_storage(self.copies.reap_stores())
+        else:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for every store still copying, on any engine: before host slots are read on
+        this thread's behalf (storage writes of host objects), before storage is flushed,
+        detached or closed, and in an idle step (so the last stores reach storage)."""
         if self.copies is not None:
             self._to_storage(self.copies.fence())
 
     def flush_storage(self, timeout_s: float = 30.0) -> bool:
         """Hand every finished copy to storage and wait until storage has written it all."""
-        self.fence()
+        self.settle()
         return self.storage is None or self.storage.flush(timeout_s)
 
     def _to_storage(self, stores: list[StoreDone]) -> None:
@@ -177,7 +190,12 @@ class WorkerHalf:
                 self.storage.on_stored(kind, slots, hashes, done.epoch)
 
     def run_loads(self, plan: StepPlan) -> None:
-        self.fence()  # normally a no-op: handle_preemptions fenced before this step began
+        # Normally a no-op (handle_preemptions fenced before this step began); host objects
+        # about to be written to storage, or an idle step, need every store complete.
+        if plan.storage_writes or plan.is_empty():
+            self.settle()
+        else:
+            self.fence()
         self._idle_step = not plan.moves_bytes()
         if self.storage is None:
             # Detached while the scheduler still planned fetches: fail them back at once.
@@ -286,7 +304,7 @@ class WorkerHalf:
 
     def shutdown(self) -> None:
         if self.copies is not None:
-            self.fence()
+            self.settle()
             self.copies.close()
         if self.storage is not None:
             self.storage.close()
