@@ -2,11 +2,11 @@
 
 Why stores may run past ``wait_for_save``: the forward of the next step is what could
 overwrite a source block (a freed block handed to another request, a preempted request's
-blocks, a Mamba block vLLM stops retaining). ``fence`` is called at the first worker hook of
-every step (``handle_preemptions``, before vLLM zeroes or copies any block) and waits for every
-store still running, so no block is ever rewritten while a store reads it, whatever freed it.
-On a GPU the engine already orders this on the device (the compute stream waits for the copy
-event), so the fence there never blocks the CPU for block safety.
+blocks, a Mamba block vLLM stops retaining). The worker fences at the first worker hook of
+every step (``handle_preemptions``, before vLLM zeroes or copies any block): on CPU it calls
+``wait_stores``, so no block is ever rewritten while a store reads it, whatever freed it. On a
+GPU the engine already orders this on the device (the compute stream waits for the copy
+event), so the fence there only reaps what completed and never blocks the CPU.
 
 Host slots become readable (storage writes, and through the scheduler, loads) only after their
 store completed: completed stores are handed back by ``reap_stores`` and only then given to
@@ -66,7 +66,7 @@ class CopyJobs:
         job = self.engine.submit(plans)
         self._stores[job] = _Store(done, nbytes)
 
-    def fence(self) -> list[StoreDone]:
+    def wait_stores(self) -> list[StoreDone]:
         """Wait for every store in flight; returns them (completed) for storage."""
         if not self._stores:
             return []

@@ -175,7 +175,7 @@ class WorkerHalf:
         this thread's behalf (storage writes of host objects), before storage is flushed,
         detached or closed, and in an idle step (so the last stores reach storage)."""
         if self.copies is not None:
-            self._to_storage(self.copies.fence())
+            self._to_storage(self.copies.wait_stores())
 
     def flush_storage(self, timeout_s: float = 30.0) -> bool:
         """Hand every finished copy to storage and wait until storage has written it all."""

@@ -275,7 +275,11 @@ def _checksum(name: Any) -> str:
     if name not in CHECKSUMS:
         raise _err("checksum", f"{name!r} is not one of {', '.join(CHECKSUMS)}")
     module = CHECKSUM_ALGOS[name][1]
-    if importlib.util.find_spec(module) is None:
+    try:
+        missing = importlib.util.find_spec(module) is None
+    except ImportError:  # an import hook that refuses the module outright
+        missing = True
+    if missing:
         raise _err(
             "checksum",
             f"{name!r} needs the Python package {module!r}, which is not installed "
