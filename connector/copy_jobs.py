@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from himamba.connector.metrics import StatsRecorder
 from himamba.tiers.transfer import CopyPlan
-from himamba.tiers.transfer_engine import HostCopyEngine
+from himamba.tiers.transfer_engine import CopyEngine
 
 
 class CopyFailed(RuntimeError):
@@ -49,7 +49,7 @@ class _Load:
 
 class CopyJobs:
     def __init__(
-        self, engine: HostCopyEngine, counters: dict[str, float], recorder: StatsRecorder
+        self, engine: CopyEngine, counters: dict[str, float], recorder: StatsRecorder
     ) -> None:
         self.engine = engine
         self._counters = counters

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from himamba.tiers.transfer import CopyPlan
 
@@ -31,6 +32,21 @@ class JobResult:
     ok: bool
     error: str = ""
     seconds: float = 0.0  # time the copies themselves took
+
+
+class CopyEngine(Protocol):
+    """What the worker needs of a backend (``HostCopyEngine``, ``CudaCopyEngine``)."""
+
+    # True where copies run beside the compute (a GPU's side stream): the device orders block
+    # reuse, so the worker never has to block the CPU for it.
+    overlaps_compute: bool
+
+    def submit(self, plans: Sequence[CopyPlan]) -> int: ...
+    def done(self, job_id: int) -> bool: ...
+    def wait(self, job_ids: Iterable[int] | None = None) -> None: ...
+    def collect(self, job_ids: Iterable[int]) -> list[JobResult]: ...
+    def pending(self) -> int: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -119,11 +135,11 @@ class HostCopyEngine:
         self._thread.join()
 
 
-def make_copy_engine(on_cuda: bool) -> HostCopyEngine:
+def make_copy_engine(on_cuda: bool) -> CopyEngine:
     """The CUDA engine for device caches (when vLLM's batched copy op or torch can drive it),
     the copy thread otherwise."""
     if on_cuda:
         from himamba.tiers.transfer_cuda import CudaCopyEngine  # noqa: PLC0415 (needs CUDA)
 
-        return CudaCopyEngine()  # type: ignore[return-value]
+        return CudaCopyEngine()
     return HostCopyEngine()
