@@ -13,8 +13,6 @@ from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.transfer import (
     CopyPlan,
     LayerBlocks,
-    device_to_host,
-    host_to_device,
     plan_copies,
 )
 
@@ -44,20 +42,14 @@ class MambaSnapshotter:
             out.extend([blocks] * count)
         return out
 
-    def snapshot(self, group_blocks: Sequence[Sequence[int]], slots: Sequence[int]) -> int:
-        """Copy ``group_blocks[g][i]`` of every group into host slot ``slots[i]``."""
-        return device_to_host(self.layers, self._per_layer(group_blocks), self.pool, slots)
-
-    def restore(self, group_blocks: Sequence[Sequence[int]], slots: Sequence[int]) -> int:
-        """Copy host slot ``slots[i]`` into block ``group_blocks[g][i]`` of every group."""
-        return host_to_device(self.layers, self._per_layer(group_blocks), self.pool, slots)
-
     def plan_snapshot(
         self, group_blocks: Sequence[Sequence[int]], slots: Sequence[int]
     ) -> CopyPlan:
-        """``snapshot`` as a plan for the copy engine (ids checked now, bytes moved later)."""
+        """Copy ``group_blocks[g][i]`` of every group into host slot ``slots[i]``, as a plan for
+        the copy engine (ids checked now, bytes moved when it runs)."""
         return plan_copies(self.layers, self._per_layer(group_blocks), self.pool, slots, True)
 
     def plan_restore(self, group_blocks: Sequence[Sequence[int]], slots: Sequence[int]) -> CopyPlan:
-        """``restore`` as a plan for the copy engine."""
+        """Copy host slot ``slots[i]`` into block ``group_blocks[g][i]`` of every group, as a
+        plan for the copy engine."""
         return plan_copies(self.layers, self._per_layer(group_blocks), self.pool, slots, False)

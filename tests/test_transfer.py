@@ -59,8 +59,8 @@ def test_mamba_restore_leaves_page_padding_and_neighbours_untouched():
     layer = LayerBlocks.wrap("m", view, NUM_BLOCKS)
     pool = HostSlotPool([layer.block_bytes], num_slots=2)
     snap = MambaSnapshotter([layer], [1], pool)
-    snap.snapshot([[4]], [1])
-    snap.restore([[6]], [1])
+    snap.plan_snapshot([[4]], [1]).run_host()
+    snap.plan_restore([[6]], [1]).run_host()
     page6 = raw[6 * 64 : 7 * 64]
     assert torch.all(page6[:40] == 7) and torch.all(page6[40:] == 0)
     assert torch.all(raw[5 * 64 : 6 * 64] == 0) and torch.all(raw[7 * 64 : 8 * 64] == 0)
