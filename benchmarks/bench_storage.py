@@ -5,9 +5,10 @@ submit + header + checksum (`--checksum`, default the config's) + LMCache L2 ada
 `fs_native` and `fs` over a temp directory and on `resp` over a private redis-server (127.0.0.1, free port, no persistence). The references, same run,
 same bytes: one file per object with open/write/close and open/readinto (page-cache warm, like
 the adapter reads), and for Redis a redis-py pipeline of SET/GET. Ratio = ours / reference.
-`fs_native_into_slot` reads as the connector's fetches do, straight into a host slot's 32
-per-layer rows; `fs_native_fresh_copy` as they did before (a fresh buffer per object, then a
-copy into the rows).
+`*_in_place` read as the connector's fetches do: each object lent to the adapter as its host
+slot (`ObjectView` over a `HostSlotPool` slot of 32 layer rows with header room), read there and
+checked there, no copy of ours; `fs_native_staged_slot` as a fetch beyond the pool's spares
+does (adapter -> staging buffer -> check -> copy into the slot).
 Reps are interleaved across variants and each write phase starts after `os.sync()`, so dirty-page
 writeback from one variant does not land on the next; best of `--reps`.
 
@@ -29,15 +30,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.lmcache_store import LMCacheStore
-from himamba.tiers.object_format import LayoutFingerprint, Namespace, ObjectKind, StorageKey
-from himamba.tiers.staging import SegmentedBuffer
+from himamba.tiers.object_format import (
+    HEADER_SIZE,
+    LayoutFingerprint,
+    Namespace,
+    ObjectKind,
+    StorageKey,
+)
+from himamba.tiers.staging import ObjectView
 from himamba.tiers.storage_config import StorageConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-SLOT_LAYERS = 32  # per-layer rows of a host slot (the "slot" and "fresh_copy" variants)
+SLOT_LAYERS = 32  # per-layer rows of a host slot (the "in_place" and "staged_slot" variants)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -59,10 +67,10 @@ class StoreRun:
     def __init__(
         self, where: str | dict, working_set_bytes: int, checksum: str | None, dst: str = "buffer"
     ) -> None:
-        # dst: "buffer" (a caller buffer per object), "slot" (the connector's fetch path: straight
-        # into a host slot's 32 per-layer rows), "fresh_copy" (its previous path: a fresh
-        # buffer per object, then a copy into the slot's rows).
+        # dst: "buffer" (a caller buffer per object, staged), "in_place" (the connector's fetch:
+        # the host slot lent to the adapter), "staged_slot" (staged, then copied into the slot).
         self.dst = dst
+        self.pool: HostSlotPool | None = None
         cfg = {"adapter": where} if isinstance(where, dict) else {"url": where}
         write_buffer_mb = 2 * (working_set_bytes >> 20) + 64
         self.store = LMCacheStore(
@@ -85,9 +93,14 @@ class StoreRun:
             for i in range(len(objs))
         ]
         dsts: list = [torch.zeros_like(o) for o in objs]
-        pool = np.zeros((SLOT_LAYERS, len(objs), objs[0].numel() // SLOT_LAYERS), np.uint8)
-        if self.dst == "slot":
-            dsts = [SegmentedBuffer(list(pool[:, i])) for i in range(len(objs))]
+        if self.pool is None:  # one pool for all reps, as the connector's (pages faulted once)
+            rows = [objs[0].numel() // SLOT_LAYERS] * SLOT_LAYERS
+            self.pool = HostSlotPool(rows, len(objs), head_bytes=HEADER_SIZE)
+        pool = self.pool
+        if self.dst == "in_place":
+            dsts = [ObjectView(pool.slot_object(i)) for i in range(len(objs))]
+        elif self.dst == "staged_slot":
+            dsts = [pool.slot_segments(i)[0] for i in range(len(objs))]
 
         def run(submit, bufs) -> None:
             tids = [
@@ -95,21 +108,15 @@ class StoreRun:
             ]
             assert all(s.wait(x, 300).num_ok == len(bufs[:batch]) for x in tids)
 
-        def fresh_then_copy() -> None:
-            fresh = [torch.empty_like(o) for o in objs]
-            run(s.submit_get, fresh)
-            for i, f in enumerate(fresh):
-                pool[:, i] = f.numpy().reshape(SLOT_LAYERS, -1)
-
         tw = _timed(lambda: run(s.submit_put, objs))
-        if self.dst == "fresh_copy":
-            tr = _timed(fresh_then_copy)
-        else:
-            tr = _timed(lambda: run(s.submit_get, dsts))
+        if self.dst != "buffer":
+            for i in range(len(objs)):
+                pool.slot_object(i)[:] = 0
+        tr = _timed(lambda: run(s.submit_get, dsts))
         if self.dst == "buffer":
             assert all(torch.equal(a, b) for a, b in zip(dsts, objs, strict=True))
         else:
-            got = [pool[:, i].reshape(-1) for i in range(len(objs))]
+            got = [pool.slot_segments(i)[0] for i in range(len(objs))]
             assert all(np.array_equal(g, o.numpy()) for g, o in zip(got, objs, strict=True))
         s.wait(s.submit_delete(keys), 60)  # keep disk / Redis usage flat across reps
         return tw, tr
@@ -192,11 +199,11 @@ def main() -> None:
         runs: dict = {
             "raw_file": lambda r: raw_files_rep(root / "raw", r, objs),
             "fs_native": StoreRun(f"file://{root / 'fsn'}", total, args.checksum),
-            "fs_native_into_slot": StoreRun(
-                f"file://{root / 'fsn2'}", total, args.checksum, "slot"
+            "fs_native_in_place": StoreRun(
+                f"file://{root / 'fsn2'}", total, args.checksum, "in_place"
             ),
-            "fs_native_fresh_copy": StoreRun(
-                f"file://{root / 'fsn3'}", total, args.checksum, "fresh_copy"
+            "fs_native_staged_slot": StoreRun(
+                f"file://{root / 'fsn3'}", total, args.checksum, "staged_slot"
             ),
             "fs": StoreRun(
                 {"type": "fs", "base_path": str(root / "fs"), "relative_tmp_dir": "tmp"},
@@ -211,6 +218,7 @@ def main() -> None:
             srv.start()
             runs["raw_redis_py"] = lambda r: raw_redis_rep(srv, r, objs)
             runs["resp"] = StoreRun(srv.url, total, args.checksum)
+            runs["resp_in_place"] = StoreRun(srv.url, total, args.checksum, "in_place")
         best: dict = {k: [float("inf"), float("inf")] for k in runs}
         for rep in range(args.reps):  # interleaved, so machine noise hits every variant alike
             for name, r in runs.items():
@@ -218,13 +226,14 @@ def main() -> None:
                 best[name] = [min(best[name][0], tw), min(best[name][1], tr)]
         for name, (tw, tr) in best.items():
             out[name] = {"write_GBps": _gbps(total, tw), "read_GBps": _gbps(total, tr)}
-        for name in ("fs_native", "fs_native_into_slot", "fs_native_fresh_copy", "fs", "resp"):
+        variants = ("fs_native", "fs_native_in_place", "fs_native_staged_slot", "fs")
+        for name in (*variants, "resp", "resp_in_place"):
             if name in out:
                 out[name].update(_ratio(out[name], out["raw_file"]))
-        if "resp" in out:
-            out["resp"].update(
-                {f"vs_redis_py_{k}": v for k, v in _ratio(out["resp"], out["raw_redis_py"]).items()}
-            )
+        for name in ("resp", "resp_in_place"):
+            if name in out:
+                vs = _ratio(out[name], out["raw_redis_py"])
+                out[name].update({f"vs_redis_py_{k}": v for k, v in vs.items()})
         for r in runs.values():
             if isinstance(r, StoreRun):
                 r.close()

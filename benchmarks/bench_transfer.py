@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from himamba.tiers.cpu_pool import HostSlotPool
+from himamba.tiers.object_format import HEADER_SIZE
 from himamba.tiers.transfer import LayerBlocks, plan_copies
 from himamba.tiers.transfer_engine import make_copy_engine
 
@@ -92,7 +93,9 @@ def main() -> None:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     layers = build_layers(a.num_blocks, a.attn_layers, a.mamba_layers, a.device)
-    pool = HostSlotPool([lb.block_bytes for lb in layers], a.slots, pin=a.device == "cuda")
+    # As the connector's pools: slot-major, header room for in-place storage reads.
+    rows = [lb.block_bytes for lb in layers]
+    pool = HostSlotPool(rows, a.slots, pin=a.device == "cuda", head_bytes=HEADER_SIZE)
     pool._buffer.fill_(1)  # fault the pool in before timing
     setup_s = time.perf_counter() - t0
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)

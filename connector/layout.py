@@ -11,6 +11,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from himamba.tiers.cpu_pool import split_slots
+
 
 class UnsupportedLayout(RuntimeError):
     """The model's KV layout is one this connector cannot cache correctly."""
@@ -48,11 +50,12 @@ class HybridLayout:
         return sum(len(g.layer_names) * g.layer_block_bytes for g in self.mamba)
 
     def slot_counts(self, cpu_bytes: int, mamba_fraction: float) -> tuple[int, int]:
-        """Split a byte budget into (KV slots, Mamba slots); both at least 1."""
+        """Split a byte budget into (KV slots, Mamba slots); both at least 1. The workers'
+        spare slots (for in-place storage reads, `cpu_pool.spare_slots`) come out of it."""
         mamba_bytes = int(cpu_bytes * mamba_fraction)
         kv_slots = max(1, (cpu_bytes - mamba_bytes) // self.kv_slot_bytes)
         mamba_slots = max(1, mamba_bytes // self.mamba_slot_bytes)
-        return int(kv_slots), int(mamba_slots)
+        return split_slots(int(kv_slots)), split_slots(int(mamba_slots))
 
 
 def _refuse_unsupported_parallelism(par: Any) -> None:

@@ -25,7 +25,8 @@ from himamba.connector.layout import GroupLayout, HybridLayout
 from himamba.connector.metrics import StatsRecorder
 from himamba.connector.worker_storage import WorkerStorage
 from himamba.mamba_state.snapshot import NULL_BLOCK, MambaSnapshotter
-from himamba.tiers.cpu_pool import HostSlotPool
+from himamba.tiers.cpu_pool import HostSlotPool, spare_slots
+from himamba.tiers.object_format import HEADER_SIZE
 from himamba.tiers.object_format import KV_OBJECT as KV
 from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
 from himamba.tiers.transfer import CopyPlan, LayerBlocks, plan_copies
@@ -85,8 +86,8 @@ class WorkerHalf:
         self.kv_layers = self._wrap(self.layout.attention, kv_caches, num_blocks)
         mamba_layers = self._wrap(self.layout.mamba, kv_caches, num_blocks)
         pin = any(t.tensor.is_cuda for t in self.kv_layers) and torch.cuda.is_available()
-        self.kv_pool = HostSlotPool([t.block_bytes for t in self.kv_layers], self.kv_slots, pin)
-        mamba_pool = HostSlotPool([t.block_bytes for t in mamba_layers], self.mamba_slots, pin)
+        self.kv_pool = _pool([t.block_bytes for t in self.kv_layers], self.kv_slots, pin)
+        mamba_pool = _pool([t.block_bytes for t in mamba_layers], self.mamba_slots, pin)
         self.mamba = MambaSnapshotter(
             mamba_layers, [len(g.layer_names) for g in self.layout.mamba], mamba_pool
         )
@@ -312,3 +313,8 @@ class WorkerHalf:
 
 
 __all__ = ["WorkerHalf", "StoreBatch"]
+
+
+def _pool(layer_bytes: list[int], num_slots: int, pin: bool) -> HostSlotPool:
+    """Slots with room for a storage header and spares, so fetches read in place (cpu_pool)."""
+    return HostSlotPool(layer_bytes, num_slots, pin, HEADER_SIZE, spare_slots(num_slots))

@@ -1,10 +1,15 @@
 """Worker-side storage traffic: writes of host slots (by write policy), fetch orders into slots.
 
 Runs inside vLLM's worker step, so nothing here blocks on storage: it submits to the store and
-drains completions once per step. Fetched bytes reach a host slot only after the store validated
-them (header, size, checksum), straight into the slot, and only while their fetch is live: a
-cancel waits out a copy in progress and stops later ones, because the scheduler may hand its
-slots to someone else in the same plan (see fetch_protocol). Each finished fetch is acknowledged once, with this worker's rank.
+drains completions once per step. A fetch lends its host slots to the store (`ObjectView`): the
+adapter reads each object straight into its slot, header room included, and the store checks
+it there, so a fetched byte is copied once, by the adapter (issue 9). A slot counts as fetched
+only once its bytes validated. When a fetch ends while the adapter may still write into its
+slots (a deadline, a cancel: the scheduler may hand the slots to someone else in the same plan,
+see fetch_protocol), the slots move onto spare memory (`HostSlotPool.swap_out`) and the old
+memory comes back when the store releases it. Only as many slots are lent at once as there
+are spares; the rest are fetched through the store's staging buffers, as before. Each finished
+fetch is acknowledged once, with this worker's rank.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from himamba.connector.kv_events import StorageOp, StorageOutcome
 from himamba.connector.metrics import StatsRecorder
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.object_format import (
+    HEADER_SIZE,
     KV_OBJECT,
     MAMBA_OBJECT,
     ObjectKind,
     StorageKey,
     stored_size,
 )
-from himamba.tiers.staging import SegmentedBuffer
+from himamba.tiers.staging import ObjectView
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +43,9 @@ _SERIES = {KV_OBJECT: "storage,kv", MAMBA_OBJECT: "storage,mamba"}
 @dataclass
 class _Get:
     order: FetchOrder
-    # Each item's host slot, as the store's destination: validated bytes land there directly,
-    # from the store's threads, only while the get is live (``cancel`` waits out a copy in
-    # progress), so a slot the scheduler reclaims is never written after.
-    buffers: list[SegmentedBuffer]
+    # Per item: its slot is lent to the store (an ObjectView), else the store copies validated
+    # bytes into it from staging, only while the get is live.
+    lent: list[bool]
 
 
 class WorkerStorage:
@@ -62,6 +67,8 @@ class WorkerStorage:
         # overwritten by a fetch (its content then belongs to another key).
         self._dirty: dict[tuple[int, int], tuple[bytes, str]] = {}
         self._gets: dict[int, _Get] = {}  # store task id -> live fetch
+        self._lent = dict.fromkeys(pools, 0)  # kind -> slots lent to live gets
+        self._held: dict[int, list[tuple[int, int]]] = {}  # task -> (kind, physical) held
         self._fetch_tasks: dict[int, int] = {}  # fetch id -> store task id
         self._puts: dict[int, list[StorageKey]] = {}
         # Objects this process wrote, oldest first: the LRU that capacity_gb evicts from. Kept
@@ -77,6 +84,7 @@ class WorkerStorage:
                 "storage_puts_failed",
                 "storage_puts_skipped",
                 "storage_gets_ok",
+                "storage_gets_in_place",
                 "storage_gets_failed",
                 "storage_gets_cancelled",
                 "storage_bytes_written",
@@ -138,8 +146,10 @@ class WorkerStorage:
         """Drop fetches the scheduler gave up: their bytes must never reach a slot now."""
         for fid in fetch_ids:
             tid = self._fetch_tasks.pop(fid, None)
-            if tid is not None and self._gets.pop(tid, None) is not None:
-                self.store.cancel(tid)  # before the scheduler's reuse of its slots, this step
+            get = None if tid is None else self._gets.pop(tid, None)
+            if get is not None:
+                # Before the scheduler's reuse of its slots, this step.
+                self._end_lending(tid, get, self.store.cancel(tid))
                 self.counters["storage_gets_cancelled"] += 1
 
     def fetch(self, orders: Sequence[FetchOrder]) -> None:
@@ -147,13 +157,36 @@ class WorkerStorage:
             keys = [
                 StorageKey(it.block_hash, ObjectKind(it.kind), order.epoch) for it in order.items
             ]
-            bufs = [
-                SegmentedBuffer(self.pools[it.kind].slot_segments(it.slot)) for it in order.items
-            ]
-            tid = self.store.submit_get(keys, bufs)
-            self._gets[tid] = _Get(order, bufs)
+            dsts: list[Any] = []
+            lent: list[bool] = []
+            for it in order.items:
+                pool = self.pools[it.kind]
+                lend = pool.head_bytes == HEADER_SIZE and pool.spares_free > self._lent[it.kind]
+                self._lent[it.kind] += lend
+                slot = it.slot
+                dsts.append(
+                    ObjectView(pool.slot_object(slot)) if lend else pool.slot_segments(slot)[0]
+                )
+                lent.append(lend)
+            tid = self.store.submit_get(keys, dsts)
+            self._gets[tid] = _Get(order, lent)
             self._started[tid] = time.monotonic()
             self._fetch_tasks[order.fetch_id] = tid
+
+    def _end_lending(self, tid: int, get: _Get, held: bool) -> None:
+        """A get is over: its lent slots are back, or (`held`: the adapter may still write
+        into them) move onto spares until the store releases the old memory."""
+        for it, lent in zip(get.order.items, get.lent, strict=True):
+            if lent:
+                self._lent[it.kind] -= 1
+                if held:
+                    old = self.pools[it.kind].swap_out(it.slot)
+                    self._held.setdefault(tid, []).append((it.kind, old))
+
+    def _take_released(self) -> None:
+        for tid in self.store.take_released():
+            for kind, physical in self._held.pop(tid, []):
+                self.pools[kind].take_back(physical)
 
     def abort_fetches(self) -> list[FetchAck]:
         """Give up every running fetch (storage is being detached): each is acknowledged as
@@ -162,8 +195,8 @@ class WorkerStorage:
             FetchAck(get.order.fetch_id, self.rank, (False,) * len(get.order.items))
             for get in self._gets.values()
         ]
-        for tid in self._gets:
-            self.store.cancel(tid)
+        for tid, get in self._gets.items():
+            self._end_lending(tid, get, self.store.cancel(tid))
         self._gets.clear()
         self._fetch_tasks.clear()
         return acks
@@ -177,6 +210,7 @@ class WorkerStorage:
             get = self._gets.pop(res.task_id, None)
             if get is not None:
                 self._fetch_tasks.pop(get.order.fetch_id, None)
+                self._end_lending(res.task_id, get, bool(getattr(res, "held", False)))
                 before = self.counters["storage_bytes_read"]
                 self._finish_get(get, res)
                 moved = self.counters["storage_bytes_read"] - before
@@ -189,6 +223,7 @@ class WorkerStorage:
                 moved = self.counters["storage_bytes_written"] - before
                 self._observe("write", started, res, moved)
             # Anything else is a task of a cancelled fetch: its buffers are simply dropped.
+        self._take_released()  # after the results: a task is reported before its release
 
     def _observe(self, op: str, started: float | None, res: Any, nbytes: float) -> None:
         # The store's own completion time when it stamps one (monotonic); else now, which for a
@@ -206,12 +241,13 @@ class WorkerStorage:
 
     def _finish_get(self, get: _Get, res: Any) -> None:
         oks: list[bool] = []
-        for i, (item, buf) in enumerate(zip(get.order.items, get.buffers, strict=True)):
+        for i, item in enumerate(get.order.items):
             ok = res.error is None and i < len(res.ok) and bool(res.ok[i])
             if ok:  # the store already wrote the slot
                 self._dirty.pop((item.kind, item.slot), None)
                 self.counters["storage_gets_ok"] += 1
-                self.counters["storage_bytes_read"] += buf.nbytes
+                self.counters["storage_gets_in_place"] += get.lent[i]
+                self.counters["storage_bytes_read"] += self.pools[item.kind].slot_bytes
             else:
                 self.counters["storage_gets_failed"] += 1
                 if self.outcomes is not None and res.error is None:  # missing or invalid here
@@ -281,6 +317,7 @@ class WorkerStorage:
             "storage_acks_unsent": len(self._acks),
             "storage_lru_objects": 0 if self._lru is None else len(self._lru),
             "storage_dirty_slots": len(self._dirty),
+            "storage_slots_lent": sum(self._lent.values()),
         }
 
     def close(self, flush_timeout_s: float = 5.0) -> None:
@@ -290,3 +327,4 @@ class WorkerStorage:
             logger.info("himamba: write-back of %d host objects at shutdown", self.flush_dirty())
         self.flush(flush_timeout_s)
         self.store.close()
+        self._take_released()  # the adapter is closed: what it held is free

@@ -65,6 +65,7 @@ def test_restarted_engine_hits_prefixes_another_process_wrote_to_disk(
     assert [o["tokens"] for o in read["outs"]] == reference[:2]
     assert read["stats"]["storage_fetches"] == 2
     assert read["worker"]["storage_gets_ok"] >= hit(A_LEN, block) // block + 1
+    assert read["worker"]["storage_gets_in_place"] > 0  # read straight into host slots
     assert read["leaks"]["locked_entries"] == 0 and read["leaks"]["slots_conserved"]
 
 
@@ -77,6 +78,7 @@ def test_two_engines_sharing_redis_reuse_each_others_prefixes(
     assert read["outs"][0]["cached"] == hit(A_LEN, block)
     assert read["outs"][0]["tokens"] == reference[0]
     assert read["worker"]["storage_gets_ok"] >= hit(A_LEN, block) // block + 1
+    assert read["worker"]["storage_gets_in_place"] > 0
 
 
 def test_redis_outage_keeps_every_request_correct_and_hits_return_after_restart(

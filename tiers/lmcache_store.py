@@ -90,13 +90,25 @@ class LMCacheStore:
 
     def submit_get(self, keys: Sequence[StorageKey], dsts: Sequence[Any]) -> int:
         """Load into dsts of the exact payload size; a key's dst is written only if it validates
-        (and never after its task was reported)."""
+        (and never after its task was reported).
+
+        A dst may instead be an `ObjectView` (room for the whole object, header first): the
+        adapter reads straight into it, with no staging copy, and the bytes are checked in
+        place; ok[i] says they are valid. The adapter may still write into lent views after
+        the task was reported (deadline, cancel, close): then its result says `held`, and
+        the views are the store's until `take_released()` returns the task id."""
         return self._pipeline.submit(OpKind.GET, keys, dsts)
 
-    def cancel(self, task_id: int) -> None:
-        """Give a get up: when this returns nothing more is written into its destinations
-        (copies in progress are waited out), so they may be reused at once."""
-        self._pipeline.cancel(task_id)
+    def cancel(self, task_id: int) -> bool:
+        """Give a get up: when this returns nothing more is copied into its destinations
+        (copies in progress are waited out), so they may be reused at once. True if it had
+        `ObjectView`s the adapter still holds: those come back through `take_released`."""
+        return self._pipeline.cancel(task_id)
+
+    def take_released(self) -> list[int]:
+        """Ids of tasks reported `held` whose lent `ObjectView`s the adapter let go of since
+        the last call (it answered, or it was closed)."""
+        return self._pipeline.lent.take_released()
 
     def submit_exists(self, keys: Sequence[StorageKey]) -> int:
         return self._pipeline.submit(OpKind.EXISTS, keys, None)
@@ -159,6 +171,7 @@ class LMCacheStore:
             self._pipeline.delete_probe_key(self._health.probe_key, timeout_s=2)
         self._pipeline.fail_unfinished()
         self._health.close()
+        self._pipeline.release_pending()  # the adapter's threads are gone
         os.close(self._wake_r)
         os.close(self._wake_w)
 

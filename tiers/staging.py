@@ -1,8 +1,8 @@
 """The store's own byte buffers: the staging pool, the write-buffer budget, buffer views.
 
-Adapters only ever see staging buffers the store owns, never a caller's memory: a native
-adapter keeps raw pointers until it answers, which may be long after a deadline handed the
-caller its buffer back. Puts are copied in once, at submission, so the caller may reuse its
+Adapters see staging buffers the store owns, or a caller's memory only when it is lent as an
+``ObjectView``: a native adapter keeps raw pointers until it answers, which may be long after
+a deadline handed the caller its buffer back. Puts are copied in once, at submission, so the caller may reuse its
 memory at once; the budget bounds how many put bytes can be held that way.
 """
 
@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from .object_format import stored_size
 
 
 class StagingPool:
@@ -75,28 +77,21 @@ class WriteBudget:
         return self._peak
 
 
-class SegmentedBuffer:
-    """A get destination made of several byte views written back to back (a host slot's
-    per-layer rows): the store writes a validated payload straight into them, with no buffer
-    in between. Only ``dst[:] = payload`` is supported, which is all the store does."""
+class ObjectView:
+    """A get destination with room for the whole stored object (header, then payload, one
+    contiguous buffer): the adapter reads straight into it and the store checks it in place,
+    with no staging copy. The caller lends it: the adapter may write into it until the store
+    gives it back (a result without ``held``, or the task id from ``take_released``)."""
 
-    def __init__(self, segments: Sequence[np.ndarray]) -> None:
-        self.segments = [as_bytes(s, writable=True) for s in segments]
-        self.nbytes = sum(s.nbytes for s in self.segments)
-
-    def __setitem__(self, key: slice, src: np.ndarray) -> None:
-        if key != slice(None) or src.nbytes != self.nbytes:
-            raise ValueError(f"a {self.nbytes}-byte destination takes exactly one whole payload")
-        off = 0
-        for seg in self.segments:
-            seg[:] = src[off : off + seg.nbytes]
-            off += seg.nbytes
+    def __init__(self, buf: Any) -> None:
+        self.buf = as_bytes(buf, writable=True)
+        self.nbytes = self.buf.nbytes
 
 
 def as_bytes(x: Any, writable: bool = False) -> Any:
     """Zero-copy flat uint8 view of a contiguous CPU tensor/array (any dtype) or bytes-like
-    (a ``SegmentedBuffer`` passes through as it is)."""
-    if isinstance(x, SegmentedBuffer):
+    (an ``ObjectView`` passes through as it is)."""
+    if isinstance(x, ObjectView):
         return x
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu" or not x.is_contiguous():
@@ -132,9 +127,10 @@ def copy_segments(out: np.ndarray, segments: Sequence[np.ndarray]) -> None:
         raise ValueError(f"segments hold {off} bytes, buffer is {out.nbytes}")
 
 
-def by_size(sizes: Sequence[int]) -> list[list[int]]:
-    """Indices grouped by size: LMCache's RESP client needs one object size per batch."""
-    groups: dict[int, list[int]] = defaultdict(list)
+def by_size(sizes: Sequence[Hashable]) -> list[list[int]]:
+    """Indices grouped by size (or any size-like key): LMCache's RESP client needs one object
+    size per batch."""
+    groups: dict[Hashable, list[int]] = defaultdict(list)
     for i, n in enumerate(sizes):
         groups[n].append(i)
     return list(groups.values())
@@ -152,3 +148,13 @@ def load_calls(idx: list[int], object_bytes: int) -> list[list[int]]:
     """`idx` (one object size) cut into adapter load calls of about `LOAD_CALL_BYTES`."""
     per_call = max(1, LOAD_CALL_BYTES // max(1, object_bytes))
     return [idx[i : i + per_call] for i in range(0, len(idx), per_call)]
+
+
+def load_groups(dsts: Sequence[Any]) -> tuple[list[int], list[bool], list[list[int]]]:
+    """A get's adapter load calls: each destination's object size (an `ObjectView` is read
+    into, so it is the object; other buffers get staging with header room), whether it is
+    lent, and the calls (indices of one size and kind, about `LOAD_CALL_BYTES` each)."""
+    lent = [isinstance(d, ObjectView) for d in dsts]
+    sizes = [d.nbytes if x else stored_size(d.nbytes) for d, x in zip(dsts, lent, strict=True)]
+    groups = by_size(list(zip(sizes, lent, strict=True)))
+    return sizes, lent, [part for g in groups for part in load_calls(g, sizes[g[0]])]

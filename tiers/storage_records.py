@@ -64,6 +64,9 @@ class TaskResult:
     op: OpKind
     ok: tuple[bool, ...]
     error: TaskError | None = None
+    # get with `ObjectView` destinations: some are still lent to the adapter, which may write
+    # into them until the task id comes back from `LMCacheStore.take_released()`.
+    held: bool = False
     # time.monotonic() when the store finished it: latency metrics must not include the time
     # until the caller next polled (an idle engine polls late).
     finished_at: float = 0.0
@@ -128,6 +131,8 @@ class Task:
     state: TaskState = TaskState.QUEUED
     open_batches: int = 0
     copying: int = 0  # CPU workers writing into `dsts` right now
+    lent: int = 0  # batches whose destinations the adapter reads into directly, not yet back
+    held: bool = False  # reported while `lent` > 0: its release is announced
 
     def __post_init__(self) -> None:
         self._no_copies = threading.Condition(self.lock)
@@ -166,3 +171,38 @@ class Batch:
     staging: list[np.ndarray] = field(default_factory=list)
     handed_at: float | None = None
     reserved: int = 0  # write-buffer bytes this batch holds (STORE only)
+    lent: bool = False  # `staging` are the caller's `ObjectView`s, not the store's buffers
+
+
+class LentViews:
+    """Tasks reported while the adapter still held some of their `ObjectView`s, and those whose
+    views all came back since. A task is marked held under its own lock when it is reported,
+    and its release is decided under the same lock, so a release never precedes its report."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+        self._released: list[int] = []
+
+    def hold(self, task_id: int) -> None:
+        with self._lock:
+            self._held.add(task_id)
+
+    def is_held(self, task_id: int) -> bool:
+        with self._lock:
+            return task_id in self._held
+
+    def back(self, t: Task) -> None:
+        """One lent batch of `t` is no longer the adapter's."""
+        with t.lock:
+            t.lent -= 1
+            released = t.lent == 0 and t.held
+        if released:
+            with self._lock:
+                self._held.discard(t.id)
+                self._released.append(t.id)
+
+    def take_released(self) -> list[int]:
+        with self._lock:
+            out, self._released = self._released, []
+        return out

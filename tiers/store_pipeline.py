@@ -2,7 +2,8 @@
 
     put:    caller copies payload into a staging buffer (budgeted) -> CPU worker seals the
             header + checksum -> put queue -> adapter (at most `adapter_put_depth` batches)
-    get:    adapter loads into staging buffers -> CPU worker validates -> copy into dst
+    get:    adapter loads into staging buffers -> CPU worker validates -> copy into dst;
+            or, into an `ObjectView` the caller lends: adapter loads into it, checked in place
     exists: adapter lookup (per-key bitmap);  delete: adapter delete on its own thread
 
 Tasks are split into batches of one object size (LMCache's RESP client rejects mixed sizes
@@ -45,12 +46,13 @@ from .staging import (
     as_segments,
     by_size,
     copy_segments,
-    load_calls,
+    load_groups,
 )
 from .storage_config import StorageConfig
 from .storage_records import (
     Batch,
     BatchKind,
+    LentViews,
     OpKind,
     StoreStats,
     Task,
@@ -100,6 +102,7 @@ class TaskPipeline:
         self._put_queue: deque[Batch] = deque()  # sealed, waiting for an adapter slot
         self._sweep_queue = False  # a put failed as a whole: drop its queued batches
         self._results: dict[int, TaskResult] = {}
+        self.lent = LentViews()  # gets reported while the adapter held their ObjectViews
         self._cv = threading.Condition()
         self._closed = False
 
@@ -143,13 +146,15 @@ class TaskPipeline:
         self._post(lambda: self._start(task))
         return task.id
 
-    def cancel(self, task_id: int) -> None:
+    def cancel(self, task_id: int) -> bool:
         """Finish a live task now (any thread): copies into its destinations that already
-        started are waited out, none starts after, so the caller may reuse them at once."""
+        started are waited out, none starts after, so the caller may reuse them at once.
+        True if some were `ObjectView`s still lent to the adapter (released later)."""
         with self._live_lock:
             task = self._live.get(task_id)
         if task is not None:
             self._finish(task, TaskError.CANCELLED)
+        return self.lent.is_held(task_id)  # it may have been held since a deadline, too
 
     def poll(self) -> list[TaskResult]:
         with self._cv:
@@ -312,22 +317,41 @@ class TaskPipeline:
                     Batch(task, BatchKind.LOOKUP, list(range(len(okeys))), okeys),
                 )
             else:
-                assert task.dsts is not None
-                groups = [
-                    part
-                    for group in by_size([d.nbytes for d in task.dsts])
-                    for part in load_calls(group, stored_size(task.dsts[group[0]].nbytes))
-                ]
-                task.open_batches = len(groups)
-                for idx in groups:
-                    st = [self.staging.get(stored_size(task.dsts[i].nbytes)) for i in idx]
-                    ok_idx = [okeys[i] for i in idx]
-                    tid = ad.submit_load_task(ok_idx, [self._wrap(s) for s in st])
-                    self._add(BatchKind.LOAD, tid, Batch(task, BatchKind.LOAD, idx, ok_idx, st))
+                self._start_loads(task, okeys)
         except Exception:
             log.warning("storage %s submit failed", task.op.value, exc_info=True)
             self._health.outcome(False, f"{task.op.value} submit failed")
             self._finish(task, TaskError.ADAPTER)
+
+    def _start_loads(self, task: Task, okeys: list[Any]) -> None:
+        assert task.dsts is not None
+        dsts = task.dsts
+        sizes, lent, groups = load_groups(dsts)
+        with task.lock:  # lent batches are counted before any is handed out: a cancel from
+            if task.state is not TaskState.QUEUED:  # now on sees them all (`_finish`)
+                return
+            task.state = TaskState.RUNNING
+            task.open_batches = len(groups)
+            task.lent = sum(lent[idx[0]] for idx in groups)
+        batches = []
+        for idx in groups:
+            lend = lent[idx[0]]
+            bufs = [dsts[i].buf if lend else self.staging.get(sizes[i]) for i in idx]
+            batches.append(
+                Batch(task, BatchKind.LOAD, idx, [okeys[i] for i in idx], bufs, lent=lend)
+            )
+        for n, b in enumerate(batches):
+            if task.state in _FINISHED:  # given up meanwhile: hand nothing more out
+                self.free_batches(batches[n:])
+                return
+            try:
+                tid = self._health.adapter.submit_load_task(
+                    b.okeys, [self._wrap(s) for s in b.staging]
+                )
+            except Exception:
+                self.free_batches(batches[n:])
+                raise
+            self._add(BatchKind.LOAD, tid, b)
 
     def _add(self, kind: BatchKind, tid: int, b: Batch) -> None:
         b.handed_at = time.monotonic()
@@ -419,6 +443,9 @@ class TaskPipeline:
             if why:
                 bad.append((i, why))
                 continue
+            if b.lent:  # checked where it landed: nothing to copy
+                oks[j] = True
+                continue
             dsts = task.start_copy()
             if dsts is None:
                 continue
@@ -493,31 +520,43 @@ class TaskPipeline:
             t.state = TaskState.EXPIRED if error is TaskError.DEADLINE else TaskState.DONE
             t.wait_no_copies()  # never hand back the caller's buffers mid-copy
             t.dsts = None
+            t.held = t.lent > 0
+            if error is not None:
+                t.ok = [False] * len(t.ok)
+            if t.on_done is None:  # still under t.lock: a release is announced after this
+                if t.held:
+                    self.lent.hold(t.id)
+                with self._cv:
+                    self._results[t.id] = TaskResult(
+                        t.id, t.op, tuple(t.ok), error, t.held, finished_at=time.monotonic()
+                    )
+                    self._cv.notify_all()
         with self._live_lock:
             self._live.pop(t.id, None)
         if error is not None:
-            t.ok = [False] * len(t.ok)
             self._sweep_queue |= t.op is OpKind.PUT and t.open_batches > 0
         if t.on_done is not None:
             t.on_done(t, error)
-        else:
-            with self._cv:
-                self._results[t.id] = TaskResult(
-                    t.id, t.op, tuple(t.ok), error, finished_at=time.monotonic()
-                )
-                self._cv.notify_all()
         return True
 
     # ------------------------------------------------------------------ buffers
     def free_batches(self, batches: Sequence[Batch]) -> None:
         """Return staging buffers (and put budget) of batches no adapter holds any more."""
         for b in batches:
-            if b.staging:
+            if b.lent and b.staging:
+                self.lent.back(b.task)
+            elif b.staging:
                 self.staging.put(b.staging)
-                b.staging = []
+            b.staging = []
             if b.reserved:
                 self.budget.release(b.reserved)
                 b.reserved = 0
+
+    def release_pending(self) -> None:
+        """The adapter is closed (the store is closing): nothing it held is written any more."""
+        batches = list(self._pending.values())
+        self._pending.clear()
+        self.free_batches(batches)
 
     def detach_batches(self) -> list[Batch]:
         """The adapter is being replaced: fail its tasks, hand over its batches (with their

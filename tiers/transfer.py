@@ -8,7 +8,8 @@ in the split layout). A host slot row is the concatenation of a layer's
 segments, so the stored bytes do not depend on the dtype view.
 
 A batch becomes a ``CopyPlan``: runs of consecutive (block, slot) pairs per segment, so a
-request whose blocks and slots are consecutive moves with one copy per layer. On CPU a run is a
+request whose blocks and slots are consecutive moves with one call per layer (host slots are
+contiguous per slot, so on the host side a run is a strided set of rows). On CPU a run is a
 numpy slice assignment (a memcpy that releases the GIL; torch's ``index_select`` /
 ``index_copy_`` of uint8 rows move 0.2-0.6 GB/s on this build); on a GPU the plan becomes
 pointer lists for one batched DMA call (``transfer_cuda``), pinned pool to device memory
@@ -194,6 +195,7 @@ def plan_copies(
         raise ValueError(f"block ids for {len(layer_block_ids)} layers, expected {len(layers)}")
     copies: list[SegmentCopy] = []
     nbytes = rows = 0
+    slots = pool.physical(slots)  # where the logical slots live now (cpu_pool.swap_out)
     for li, (layer, ids) in enumerate(zip(layers, layer_block_ids, strict=True)):
         runs = _runs(ids, slots)
         offset = 0
