@@ -100,7 +100,7 @@ class StoreRun:
         if self.dst == "in_place":
             dsts = [ObjectView(pool.slot_object(i)) for i in range(len(objs))]
         elif self.dst == "staged_slot":
-            dsts = [pool.slot_segments(i)[0] for i in range(len(objs))]
+            dsts = [pool.slot_payload(i) for i in range(len(objs))]
 
         def run(submit, bufs) -> None:
             tids = [
@@ -116,7 +116,7 @@ class StoreRun:
         if self.dst == "buffer":
             assert all(torch.equal(a, b) for a, b in zip(dsts, objs, strict=True))
         else:
-            got = [pool.slot_segments(i)[0] for i in range(len(objs))]
+            got = [pool.slot_payload(i) for i in range(len(objs))]
             assert all(np.array_equal(g, o.numpy()) for g, o in zip(got, objs, strict=True))
         s.wait(s.submit_delete(keys), 60)  # keep disk / Redis usage flat across reps
         return tw, tr

@@ -127,7 +127,7 @@ class WorkerStorage:
             self._dirty.pop((kind, slot), None)
         # The store copies each slot's layer rows into its own staging buffer before returning,
         # so the slot may be overwritten by a later step at once.
-        tid = self.store.submit_put(keys, [pool.slot_segments(s) for s in slots])
+        tid = self.store.submit_put(keys, [pool.slot_payload(s) for s in slots])
         self._puts[tid] = keys
         self._started[tid] = time.monotonic()
 
@@ -163,9 +163,8 @@ class WorkerStorage:
                 pool = self.pools[it.kind]
                 lend = pool.head_bytes == HEADER_SIZE and pool.spares_free > self._lent[it.kind]
                 self._lent[it.kind] += lend
-                slot = it.slot
                 dsts.append(
-                    ObjectView(pool.slot_object(slot)) if lend else pool.slot_segments(slot)[0]
+                    ObjectView(pool.slot_object(it.slot)) if lend else pool.slot_payload(it.slot)
                 )
                 lent.append(lend)
             tid = self.store.submit_get(keys, dsts)
@@ -210,7 +209,7 @@ class WorkerStorage:
             get = self._gets.pop(res.task_id, None)
             if get is not None:
                 self._fetch_tasks.pop(get.order.fetch_id, None)
-                self._end_lending(res.task_id, get, bool(getattr(res, "held", False)))
+                self._end_lending(res.task_id, get, res.held)
                 before = self.counters["storage_bytes_read"]
                 self._finish_get(get, res)
                 moved = self.counters["storage_bytes_read"] - before

@@ -62,7 +62,7 @@ class HostSlotPool:
             # the first stores, inside an engine step (pinning already faults them in).
             self._buffer.zero_()
         grid = self._buffer.view(physical, self.stride)
-        self._np_grid = grid.numpy()
+        self._flat = self._buffer.numpy()
         self.rows: list[torch.Tensor] = []
         offset = head_bytes
         for nbytes in self.layer_bytes:
@@ -91,16 +91,16 @@ class HostSlotPool:
         phys = self._phys
         return [phys[s] for s in slots]
 
-    def slot_segments(self, slot: int) -> list[np.ndarray]:
-        """One slot's payload (its layer rows, back to back) as one view, no copy: a storage
-        put copies it into its staging buffer in one memcpy."""
+    def slot_payload(self, slot: int) -> np.ndarray:
+        """One slot's layer rows, back to back, as one view (no copy): a storage put copies it
+        into its staging buffer in one memcpy."""
         start = self._phys[slot] * self.stride + self.head_bytes
-        return [self._np_grid.reshape(-1)[start : start + self.slot_bytes]]
+        return self._flat[start : start + self.slot_bytes]
 
     def slot_object(self, slot: int) -> np.ndarray:
         """Header room + payload of one slot, contiguous: a storage object read in place."""
         start = self._phys[slot] * self.stride
-        return self._np_grid.reshape(-1)[start : start + self.head_bytes + self.slot_bytes]
+        return self._flat[start : start + self.head_bytes + self.slot_bytes]
 
     def swap_out(self, slot: int) -> int:
         """Move logical `slot` onto a spare and return its old physical slot, which nobody
@@ -117,11 +117,11 @@ class HostSlotPool:
     def read_slot(self, slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """All layers of one slot as one contiguous byte tensor (tests, checks)."""
         out = torch.empty(self.slot_bytes, dtype=torch.uint8) if out is None else out
-        out.numpy()[:] = self.slot_segments(slot)[0]
+        out.numpy()[:] = self.slot_payload(slot)
         return out
 
     def write_slot(self, slot: int, data: torch.Tensor) -> None:
         """Inverse of read_slot; ``data`` must be exactly slot_bytes long."""
         if data.numel() != self.slot_bytes:
             raise ValueError(f"slot payload is {data.numel()} bytes, expected {self.slot_bytes}")
-        self.slot_segments(slot)[0][:] = data.numpy()
+        self.slot_payload(slot)[:] = data.numpy()

@@ -2,8 +2,8 @@
 
 Adapters see staging buffers the store owns, or a caller's memory only when it is lent as an
 ``ObjectView``: a native adapter keeps raw pointers until it answers, which may be long after
-a deadline handed the caller its buffer back. Puts are copied in once, at submission, so the caller may reuse its
-memory at once; the budget bounds how many put bytes can be held that way.
+a deadline handed the caller its buffer back. Puts are copied in once, at submission, so the
+caller may reuse its memory at once; the budget bounds how many put bytes can be held that way.
 """
 
 from __future__ import annotations
