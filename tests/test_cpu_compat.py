@@ -1,4 +1,4 @@
-"""The CPU compatibility plugin (``himamba.connector.cpu_compat``) on a real vLLM CPU engine.
+"""The CPU compatibility plugin (``himamba.connector.vllm_fixups.cpu_compat``) on a real vLLM CPU engine.
 
 Each engine runs in its own subprocess (this file run as a script), so plugin state, vLLM's
 ``plugins_loaded`` flag and the engine's memory never leak into the pytest process. The child
@@ -102,7 +102,7 @@ def test_qwen3_next_runs_and_is_left_untouched_by_plugin(qwen3next_model: Path) 
 def test_register_is_noop_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.platforms import current_platform
 
-    from himamba.connector import cpu_compat
+    from himamba.connector.vllm_fixups import cpu_compat
 
     monkeypatch.delenv(cpu_compat.ENV_DISABLE, raising=False)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
@@ -123,7 +123,7 @@ def test_register_is_idempotent_and_env_switch_disables_it(
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
     from vllm.platforms import current_platform
 
-    from himamba.connector import cpu_compat
+    from himamba.connector.vllm_fixups import cpu_compat
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: True)
     original = MambaMixer2.__dict__["get_kv_cache_spec"]
@@ -147,7 +147,7 @@ def test_spec_rewrite_only_drops_checkpoint_blocks() -> None:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    from himamba.connector.cpu_compat import without_prefill_checkpoints
+    from himamba.connector.vllm_fixups.cpu_compat import without_prefill_checkpoints
 
     spec = MambaSpec(
         block_size=128,
@@ -176,7 +176,7 @@ def test_missing_vllm_method_logs_and_skips(
 ) -> None:
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 
-    from himamba.connector import cpu_compat
+    from himamba.connector.vllm_fixups import cpu_compat
 
     monkeypatch.delattr(MambaMixer2, "get_kv_cache_spec")
     cpu_compat._log_once.cache_clear()
@@ -198,7 +198,7 @@ def _spec_summary(llm: Any) -> dict[str, Any]:
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from himamba.connector.cpu_compat import _PATCH_FLAG
+    from himamba.connector.vllm_fixups.cpu_compat import _PATCH_FLAG
 
     core = llm.llm_engine.engine_core.engine_core
     kv_cfg = core.scheduler.kv_cache_config

@@ -30,7 +30,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from himamba.connector.kv_events import merge_events, storage_medium
+from himamba.connector.observability.kv_events import merge_events, storage_medium
 from himamba.connector.tree.node import HOST
 
 CPU_CACHE_GB = 0.5 / 1024  # 192 KV slots, 292 Mamba slots

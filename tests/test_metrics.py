@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from himamba.connector.metrics import METRICS, PREFIX, HiMambaStats
+from himamba.connector.observability.metrics import METRICS, PREFIX, HiMambaStats
 from himamba.connector.vllm_connector import HiMambaConnector
 from himamba.tiers.cpu_pool import split_slots
 

@@ -21,7 +21,7 @@ from scenarios import prompt
 from test_kv_events import EventSubscriber, RouterView, per_block
 from test_server import complete
 
-from himamba.connector.metrics import METRICS, PREFIX
+from himamba.connector.observability.metrics import METRICS, PREFIX
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from test_radix_tree import chain, store
 
-from himamba.connector.state_budget import StateBudget
 from himamba.connector.tree import HybridRadixTree, check_invariants
+from himamba.mamba_state.state_budget import StateBudget
 
 
 def test_depth_is_where_a_request_leaves_every_known_path() -> None:

@@ -17,7 +17,7 @@ from test_storage_in_place import store_reading_late  # noqa: E402
 from test_storage_tier import make_store  # noqa: E402
 
 from himamba.connector.fetch_protocol import FetchItem, FetchOrder  # noqa: E402
-from himamba.connector.worker_storage import WorkerStorage  # noqa: E402
+from himamba.connector.worker.worker_storage import WorkerStorage  # noqa: E402
 from himamba.tiers.cpu_pool import HostSlotPool  # noqa: E402
 from himamba.tiers.object_format import HEADER_SIZE  # noqa: E402
 

@@ -62,7 +62,7 @@ def _functions_of(value: Any) -> list[Any]:
 @contextlib.contextmanager
 def worker_rank_as(rank: int) -> Iterator[None]:
     """Make the worker connector built inside this block believe it is TP rank ``rank``."""
-    with replaced_everywhere("himamba.connector.ranks", "worker_rank", lambda: rank):
+    with replaced_everywhere("himamba.connector.worker.ranks", "worker_rank", lambda: rank):
         yield
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from himamba.connector.metrics import Breaker, HiMambaStats, StatsRecorder
+from himamba.connector.observability.metrics import Breaker, HiMambaStats, StatsRecorder
 
 _BREAKER = {"closed": Breaker.CLOSED, "open": Breaker.OPEN, "probing": Breaker.PROBING}
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from himamba.connector.metrics import StatsRecorder
+from himamba.connector.observability.metrics import StatsRecorder
 from himamba.tiers.transfer import CopyPlan
 from himamba.tiers.transfer_engine import CopyEngine
 

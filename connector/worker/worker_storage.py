@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from himamba.connector.fetch_protocol import FetchAck, FetchOrder
-from himamba.connector.kv_events import StorageOp, StorageOutcome
-from himamba.connector.metrics import StatsRecorder
+from himamba.connector.observability.kv_events import StorageOp, StorageOutcome
+from himamba.connector.observability.metrics import StatsRecorder
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.object_format import (
     HEADER_SIZE,

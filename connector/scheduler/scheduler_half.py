@@ -23,9 +23,9 @@ from himamba.connector.config import HiMambaConfig
 from himamba.connector.fetch_protocol import FetchAck
 from himamba.connector.jobs import LoadJob, StepPlan
 from himamba.connector.layout import HybridLayout
-from himamba.connector.state_budget import RequestStates, StateBudget
-from himamba.connector.storage_plan import StoragePlanner
+from himamba.connector.scheduler.storage_planner import StoragePlanner
 from himamba.connector.tree import HybridRadixTree, LockHandle, MatchResult
+from himamba.mamba_state.state_budget import RequestStates, StateBudget
 from himamba.tiers.object_format import KV_OBJECT as KV
 from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
 

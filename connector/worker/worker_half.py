@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from himamba.connector.control import ControlRequest
-from himamba.connector.copy_jobs import CopyJobs, StoreDone
 from himamba.connector.fetch_protocol import FetchAck
 from himamba.connector.jobs import LoadJob, StepPlan, StoreBatch
 from himamba.connector.layout import GroupLayout, HybridLayout
-from himamba.connector.metrics import StatsRecorder
-from himamba.connector.worker_storage import WorkerStorage
+from himamba.connector.observability.metrics import StatsRecorder
+from himamba.connector.worker.copy_jobs import CopyJobs, StoreDone
+from himamba.connector.worker.worker_storage import WorkerStorage
 from himamba.mamba_state.snapshot import NULL_BLOCK, MambaSnapshotter
 from himamba.tiers.cpu_pool import HostSlotPool, spare_slots
 from himamba.tiers.object_format import HEADER_SIZE
