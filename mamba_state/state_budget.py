@@ -50,12 +50,21 @@ class StateBudget:
 
     def decide(self, book: RequestStates, boundary: int) -> tuple[bool, int]:
         """(store the state at ``boundary``, an earlier boundary of this request whose state it
-        replaces, or 0). Decode boundaries are the ones past the prompt end."""
+        replaces, or 0). Decode boundaries are the ones past the prompt end. Changes nothing:
+        call ``stored`` once the state really is stored."""
         lasting = self._lasting(book, boundary)
         if boundary <= book.prompt_end:
             return lasting, 0
+        if boundary <= book.last_decode:
+            # A replay after preemption crosses boundaries it already handled: their states
+            # were stored (or replaced) the first time.
+            return False, 0
         previous = book.last_decode
-        book.last_decode = boundary
-        if previous and previous < boundary and not self._lasting(book, previous):
+        if previous and not self._lasting(book, previous):
             return True, previous
         return True, 0
+
+    def stored(self, book: RequestStates, boundary: int) -> None:
+        """The state at ``boundary`` was stored: it is the request's latest decode state."""
+        if boundary > book.prompt_end:
+            book.last_decode = max(book.last_decode, boundary)

@@ -21,6 +21,8 @@ CPU_ENGINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",  # everything is built locally; never try the hub
     "TRANSFORMERS_OFFLINE": "1",
+    # Every step plan the scheduler builds is checked: a host slot with two roles raises.
+    "HIMAMBA_CHECK_PLANS": "1",
 }
 for _key, _value in CPU_ENGINE_ENV.items():
     os.environ.setdefault(_key, _value)

@@ -14,20 +14,31 @@ Rules that keep hybrid hits exact (see shared notes on the connector contract):
 from __future__ import annotations
 
 import logging
+import os
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from himamba.connector.config import HiMambaConfig
-from himamba.connector.fetch_protocol import FetchAck
-from himamba.connector.jobs import LoadJob, StepPlan
 from himamba.connector.layout import HybridLayout
+from himamba.connector.protocol import (
+    FetchAck,
+    LoadJob,
+    ObjectKind,
+    StepPlan,
+    StorageWrite,
+    check_plan,
+)
+from himamba.connector.scheduler.generations import StorageGenerations
 from himamba.connector.scheduler.storage_planner import StoragePlanner
 from himamba.connector.tree import HybridRadixTree, LockHandle, MatchResult
 from himamba.mamba_state.state_budget import RequestStates, StateBudget
-from himamba.tiers.object_format import KV_OBJECT as KV
-from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
+from himamba.tiers.storage_config import StorageConfig
+
+# Set (to anything but "0") in tests and debug runs: every step plan is checked for a host
+# slot with two roles (``protocol.plan_conflicts``) and an unsafe plan raises.
+CHECK_PLANS_ENV = "HIMAMBA_CHECK_PLANS"
 
 logger = logging.getLogger(__name__)
 
@@ -73,39 +84,68 @@ class SchedulerHalf:
             kv_slots, mamba_slots, max_nodes=4 * (kv_slots + mamba_slots) + 1024
         )
         self.counters: dict[str, int] = defaultdict(int)
+        self.generations = StorageGenerations()
         self.storage = storage
         self._tracked: dict[str, _Tracked] = {}
         self._pending: dict[str, _Pending] = {}
         self._inflight: dict[str, LockHandle] = {}
         self._no_hits: set[str] = set()
+        # Requests whose hit was counted as a use of its path (selective write-through's
+        # threshold): a retried lookup locks again but is not another use.
+        self._hit_counted: set[str] = set()
+        # (host tokens, storage tokens) of each request's external hit, for vLLM's metrics.
+        self._hit_split: dict[str, tuple[int, int]] = {}
+        # Fetch ids a closed planner sent: the next plan cancels them before anything else.
+        self._orphan_cancels: list[int] = []
+        self.check_plans = os.environ.get(CHECK_PLANS_ENV, "0") not in ("", "0")
         self._plan = StepPlan()
         self._stores_unfenced = False
         self.budget = StateBudget(layout.block_size, config.checkpoint_interval_tokens)
         # Host objects to write to storage this step (selective write-through, write-back),
         # collected while the step is scheduled and handed to the plan at its end.
-        self._writes: list[tuple[int, int, bytes]] = []
+        self._writes: list[StorageWrite] = []
         # KV-cache events for routers (kv_events.KVEventTracker); None unless vLLM publishes.
         self.events: Any = None
 
+    def new_planner(self, cfg: StorageConfig, store: Any, world_size: int) -> StoragePlanner:
+        """A planner over ``store`` in this scheduler's storage generation (a new planner id;
+        the epoch and the fetch-id space carry over)."""
+        return StoragePlanner(cfg, store, self.tree, self.counters, self.generations, world_size)
+
     def attach_storage(self, planner: StoragePlanner) -> None:
         """Storage behind the CPU tier; its write policy decides when host objects reach it."""
+        if self.storage is not None:
+            self.detach_storage()
         self.storage = planner
-        if planner.cfg.write_policy == "write_back":
-            self.tree.write_back = self._write_back
+        write_back = planner.cfg.write_policy == "write_back"
+        self.tree.write_back = self._write_back if write_back else None
+        # Under write-back the worker remembers which slots hold bytes storage lacks; it must
+        # hear of every slot the tree frees, or it would later write a reused slot's bytes.
+        self.tree.journal_frees = write_back
 
-    def detach_storage(self) -> bool:
-        """Stop using storage (run-time control): fetches are abandoned (their slots return),
-        the probe store closes, and lookups serve the CPU tier only. False if none was on."""
+    def detach_storage(self, close_store: bool = True) -> bool:
+        """Stop using storage (run-time control): fetches are abandoned (their slots return at
+        once, and the workers are told to cancel them with the next plan), the probe store
+        closes (``close_store=False``: the caller closes ``planner.store``, e.g. off the engine
+        loop), and lookups serve the CPU tier only. False if none was on."""
         planner, self.storage = self.storage, None
         if planner is None:
             return False
         self.tree.write_back = None
-        planner.close()
+        self._orphan_cancels += planner.close()
+        self.generations.detached()
+        if not close_store:
+            return True
+        try:
+            planner.store.close()
+        except Exception as exc:  # noqa: BLE001 - a failing close must not stop the engine
+            logger.warning("himamba: closing the probe store failed: %s", exc)
         return True
 
     def _write_back(self, is_state: bool, slot: int, block_hash: bytes) -> bool:
-        # The slot may be reused by this very step's plan: the worker writes first.
-        self._writes.append((MAMBA if is_state else KV, slot, block_hash))
+        # The tree quarantines the slot until this plan is sealed: the worker reads it first.
+        kind = ObjectKind.MAMBA if is_state else ObjectKind.KV
+        self._writes.append(StorageWrite(kind, slot, block_hash))
         return True
 
     # -- hashing -----------------------------------------------------------------
@@ -170,15 +210,19 @@ class SchedulerHalf:
         if num_blocks <= start or tokens < max(self.config.min_load_tokens, 1):
             self.counters["misses"] += 1
             return 0, False
-        handle = self.tree.lock(result, host_only=True)
+        first_use = req_id not in self._hit_counted
+        handle = self.tree.lock(result, host_only=True, count_hit=first_use)
         if handle is None:
             return 0, False
+        self._hit_counted.add(req_id)
         self._pending[req_id] = _Pending(result, handle, num_blocks, result.state_slot(True))
         storage = self.storage
-        if storage is not None and storage.cfg.write_policy == "write_through_selective":
+        selective = storage is not None and storage.cfg.write_policy == "write_through_selective"
+        if first_use and selective:
             # Written while this hit's lock keeps the slots: popular prefixes reach storage.
             for is_state, slot, h in self.tree.hot_objects(result, storage.cfg.write_threshold):
-                self._writes.append((MAMBA if is_state else KV, slot, h))
+                kind = ObjectKind.MAMBA if is_state else ObjectKind.KV
+                self._writes.append(StorageWrite(kind, slot, h))
         return tokens, True
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -204,29 +248,33 @@ class SchedulerHalf:
                 f"vLLM trimmed the hit to {num_external_tokens} tokens; the Mamba state "
                 "for that boundary was not planned"
             )
-        kv_slots = result.kv_slots[: n - start]
-        kv_blocks = [list(block_ids[g.group_id][start:n]) for g in self.layout.attention]
+        kv_slots = tuple(result.kv_slots[: n - start])
+        kv_blocks = tuple(tuple(block_ids[g.group_id][start:n]) for g in self.layout.attention)
         mamba_blocks = []
         for g in self.layout.mamba:
             row = block_ids[g.group_id]
             mamba_blocks.append(row[n - 1] if len(row) >= n else 0)
         self._plan.loads.append(
-            LoadJob(req_id, kv_slots, kv_blocks, pending.mamba_slot, mamba_blocks, doomed)
+            LoadJob(req_id, kv_slots, kv_blocks, pending.mamba_slot, tuple(mamba_blocks), doomed)
         )
         self._inflight[req_id] = pending.handle
+        from_storage = 0
+        if self.storage is not None:
+            from_storage = self.storage.storage_blocks_used(req_id, start, n) * bs
+        from_storage = min(from_storage, num_external_tokens)
+        self._hit_split[req_id] = (num_external_tokens - from_storage, from_storage)
         self.counters["loads"] += 1
         self.counters["hit_tokens"] += num_external_tokens
-        self.counters["hit_tokens_storage"] += self.hit_sources(req_id, num_external_tokens)[1]
+        self.counters["hit_tokens_storage"] += from_storage
         if self.events is not None:
             self.events.loaded(request, start, n)
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> tuple[int, int]:
-        """(host tokens, storage tokens) of a request's external hit."""
-        from_storage = 0
-        if self.storage is not None:
-            from_storage = self.storage.storage_tokens(req_id, self.layout.block_size)
-        from_storage = min(from_storage, num_external_tokens)
-        return num_external_tokens - from_storage, from_storage
+        """(host tokens, storage tokens) of a request's external hit: storage counts only the
+        blocks of the hit that its fetch brought in, not everything it fetched."""
+        _, storage = self._hit_split.get(req_id, (num_external_tokens, 0))
+        storage = min(storage, num_external_tokens)
+        return num_external_tokens - storage, storage
 
     # -- per step ------------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
@@ -237,19 +285,42 @@ class SchedulerHalf:
             finished = set(scheduler_output.finished_req_ids)
             self._plan_kv_stores(plan, scheduler_output, block_state, finished)
             self._plan_mamba_stores(plan, block_state.boundary_state_offloads)
-        # Stores are committed now: the worker's copy engine runs them in order and fences
-        # them at the next step's first hook, before that step loads from (or overwrites) the
-        # slots or vLLM rewrites a source block, so order alone makes this safe.
+        storage = self.storage
+        if storage is not None:
+            # Before this plan's stores are committed: a fetch reserving slots now can only
+            # evict slots of earlier plans, never one this plan stores into.
+            plan.fetches, plan.cancels = storage.step()
+        if self._orphan_cancels:
+            plan.cancels = [*self._orphan_cancels, *plan.cancels]
+            self._orphan_cancels = []
+        # Stores are committed now: the worker's copy engine runs them in order and settles a
+        # slot's store before it lends, writes or overwrites that slot in a later plan.
         self.tree.complete_store(plan.kv_stores.slots, plan.mamba_stores.slots, ok=True)
         # One more engine step after the last stores even when idle: its fence hands them to
         # storage (write-through would otherwise wait for the next request).
         self._stores_unfenced = bool(plan.kv_stores or plan.mamba_stores)
-        if self.storage is not None:
-            plan.fetches, plan.cancels = self.storage.step()
-            plan.epoch = self.storage.epoch
         plan.storage_writes, self._writes = self._writes, []
+        if storage is not None and storage.has_missing():
+            self._clear_missing(storage, plan)
+        if self.tree.journal_frees:
+            plan.freed_kv, plan.freed_mamba = self.tree.take_freed()
+        # Slots quarantined while this plan was built (write-back sources) are free again.
+        self.tree.seal_plan()
+        plan.generation = self.generations.current
         self.counters["storage_writes_planned"] += len(plan.storage_writes)
+        if self.check_plans:
+            check_plan(plan)
         return plan
+
+    def _clear_missing(self, storage: StoragePlanner, plan: StepPlan) -> None:
+        """Objects written again this step (on every rank) are no longer known missing."""
+        for w in plan.storage_writes:
+            storage.wrote(w.kind, w.block_hash)
+        if storage.cfg.write_policy == "write_through":
+            for h in plan.kv_stores.hashes:
+                storage.wrote(ObjectKind.KV, h)
+            for h in plan.mamba_stores.hashes:
+                storage.wrote(ObjectKind.MAMBA, h)
 
     def _computed_before_step(self, scheduler_output: Any) -> dict[str, int]:
         out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
@@ -317,16 +388,22 @@ class SchedulerHalf:
                 if any(per_group.get(g, 0) == 0 for g in mamba_groups):
                     self.counters["mamba_incomplete_handoffs"] += 1
                     continue
+                if boundary > tracked.states.prompt_end and not self.config.store_decode_blocks:
+                    # Its KV blocks are not stored: the state alone could never be hit.
+                    self.counters["mamba_states_skipped"] += 1
+                    continue
                 keep, replaces = self.budget.decide(tracked.states, boundary)
                 if not keep:
                     self.counters["mamba_states_skipped"] += 1
                     continue
                 slot = self.tree.reserve_mamba(hashes, part, n)
-                if slot is not None:
-                    plan.mamba_stores.add(slot, [per_group[g] for g in mamba_groups], hashes[n - 1])
-                    self.counters["mamba_states_stored"] += 1
-                    if self.events is not None:
-                        self.events.planned_state(tracked.request, n, hashes[n - 1])
+                if slot is None:
+                    continue  # nothing stored: the budget's book stays as it was
+                plan.mamba_stores.add(slot, [per_group[g] for g in mamba_groups], hashes[n - 1])
+                self.counters["mamba_states_stored"] += 1
+                self.budget.stored(tracked.states, boundary)
+                if self.events is not None:
+                    self.events.planned_state(tracked.request, n, hashes[n - 1])
                 if replaces and self.tree.drop_state(hashes, part, replaces // bs):
                     self.counters["mamba_states_replaced"] += 1
 
@@ -358,6 +435,8 @@ class SchedulerHalf:
         self._release_pending(req_id)
         self._tracked.pop(req_id, None)
         self._no_hits.discard(req_id)
+        self._hit_counted.discard(req_id)
+        self._hit_split.pop(req_id, None)
         if self.storage is not None:
             self.storage.forget(req_id)
 
@@ -378,6 +457,9 @@ class SchedulerHalf:
         """
         for req_id in list(self._pending):
             self._release_pending(req_id)
+        # The epoch belongs to the scheduler, not to the attached store: a reset while
+        # detached still makes everything stored before it unreachable after an attach.
+        self.generations.new_epoch()
         if self.storage is not None:
             self.storage.reset()
         self.tree.reset()
@@ -411,6 +493,7 @@ class SchedulerHalf:
             "inflight_loads": len(self._inflight),
             "tracked_requests": len(self._tracked),
             "no_hit_requests": len(self._no_hits),
+            "hit_records": len(self._hit_counted) + len(self._hit_split),
             "locked_entries": len(self.tree.handles),
             "pending_stores": self.tree.stats()["pending_stores"],
             "slots_conserved": conserved,

@@ -9,14 +9,25 @@ longer than its policy allows:
   few milliseconds for the answer (a bounded budget per engine step), so a cold request normally
   costs no extra engine step. Answers are folded into the tree as they arrive, at every step,
   whether or not the request is looked up again, in one walk of its path.
+- ANSWERED: storage has part of the prompt, but vLLM has not said yet how much of it its own
+  device cache holds (the request was not looked up): the fetch waits for that lookup, so it
+  never reads blocks the device already has.
 - FETCHING: host slots are reserved for the storage-only part of the deepest hit that fits,
-  with the request's path pinned so the reservation cannot evict the prefix being fetched. Bytes
-  move storage -> host on the workers (``fetch_protocol``); the hit becomes an ordinary host hit.
+  beyond vLLM's device hit, with the request's path pinned so the reservation cannot evict the
+  prefix being fetched. Bytes move storage -> host on the workers (``fetch_ledger``); the hit
+  becomes an ordinary host hit.
 - SETTLED: the request takes whatever the host tier has.
 
-``best_effort`` never waits; its probes and fetches still run and warm the host tier for later
-requests. A wait that hits its deadline tells the store (``report_slow``), so storage that is
-alive but too slow opens the breaker instead of delaying every request.
+``best_effort`` never waits; its probes and fetches still run (from block 0, since nobody
+waits for a lookup) and warm the host tier for later requests. Only storage's own slowness
+counts against it: a probe still unanswered by the store at the request's deadline tells the
+store (``report_slow``), so storage that is alive but too slow opens the breaker. A deadline
+passed while engine steps were slow (a fetch waits for the next plan and its acknowledgement
+for the step after) is not the storage's fault and is not reported.
+
+A fetched object that some rank could not read (its shard is missing there: a skipped or
+evicted write) is remembered as missing for this generation, so later probes do not send every
+request with that prefix into the same failing fetch; a later write of the object clears it.
 """
 
 from __future__ import annotations
@@ -25,21 +36,15 @@ import enum
 import logging
 import math
 import time
-import uuid
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from himamba.connector.fetch_protocol import (
-    FetchAck,
-    FetchItem,
-    FetchLedger,
-    FetchOrder,
-    FetchOutcome,
-)
-from himamba.tiers.object_format import KV_OBJECT as KV
-from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
-from himamba.tiers.object_format import ObjectKind, StorageKey
+from himamba.connector.protocol import FetchAck, FetchItem, FetchOrder, ObjectKind
+from himamba.connector.scheduler.fetch_ledger import FetchLedger, FetchOutcome
+from himamba.connector.scheduler.generations import StorageGenerations
+from himamba.tiers.object_format import StorageKey
 from himamba.tiers.storage_config import StorageConfig, prefetch_deadline_s
 
 logger = logging.getLogger(__name__)
@@ -47,8 +52,13 @@ logger = logging.getLogger(__name__)
 
 class Phase(enum.Enum):
     PROBING = "probing"
+    ANSWERED = "answered"
     FETCHING = "fetching"
     SETTLED = "settled"
+
+
+# How many objects a planner remembers as missing on some rank (oldest forgotten first).
+MISSING_MEMORY = 65536
 
 
 @dataclass
@@ -60,7 +70,10 @@ class _Request:
     phase: Phase = Phase.PROBING
     probe_task: int | None = None
     fetch_id: int | None = None
-    storage_blocks: int = 0  # blocks of its hit that came from storage (hit-source metrics)
+    # vLLM's device hit in blocks once the request was looked up (None: not yet).
+    start_block: int | None = None
+    # Blocks fetched from storage for this request (hit-source metrics count those it used).
+    fetched_blocks: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -84,21 +97,29 @@ class StoragePlanner:
         store: Any,
         tree: Any,
         counters: dict,
+        generations: StorageGenerations,
         world_size: int = 1,
     ) -> None:
         self.cfg = cfg
         self.store = store
         self.tree = tree
         self.counters = counters
-        self.ledger = FetchLedger(world_size, self._settle_fetch)
+        self.generations = generations
+        self.planner = generations.new_planner()
+        self.ledger = FetchLedger(world_size, self._settle_fetch, generations, self.planner)
         self._requests: dict[str, _Request] = {}
         self._probe_owner: dict[int, str] = {}
         self._fetches: dict[int, _Fetch] = {}
         self._probe_wait_s = cfg.probe_wait_ms / 1000
         self._wait_budget = self._probe_wait_s
-        # Storage keys carry an epoch so that a reset (new weights) makes every older object
-        # unreachable, here and in another process that reset too; "" = since start-up.
-        self.epoch = ""
+        # (kind, hash) -> epoch: objects some rank could not read; masked out of probe answers.
+        self._missing: OrderedDict[tuple[ObjectKind, bytes], str] = OrderedDict()
+
+    @property
+    def epoch(self) -> str:
+        """Storage keys carry the generation's epoch: a reset (new weights) makes every older
+        object unreachable, here and in another process that reset too."""
+        return self.generations.epoch
 
     # -- request life cycle ------------------------------------------------------------
     def begin(self, req_id: str, hashes: list[bytes], partition: Hashable, num_tokens: int) -> None:
@@ -123,15 +144,21 @@ class StoragePlanner:
         st = self._requests.get(req_id)
         if st is None:
             return False
+        st.start_block = start_block
         self._drain()
         if st.phase is Phase.PROBING and st.waits and self._wait_budget > 0:
             self._wait_for_probe(st)
+        if st.phase is Phase.ANSWERED:
+            st.phase = Phase.FETCHING if self._start_fetch(req_id, st) else Phase.SETTLED
         if st.phase is Phase.SETTLED or not st.waits:
             return False
         if time.monotonic() < st.deadline:
             return True
         self.counters[f"storage_{st.phase.value}_timeouts"] += 1
-        self.store.report_slow(f"a request waited past its prefetch deadline ({st.phase.value})")
+        if st.phase is Phase.PROBING:
+            # The store itself has not answered in the request's whole budget (_drain just
+            # polled it): storage is slow, not the engine's steps.
+            self.store.report_slow("a storage probe outlived its request's prefetch deadline")
         st.waits = False  # the work goes on in the background; this request goes ahead
         if st.fetch_id is not None and st.fetch_id in self._fetches:
             self._fetches[st.fetch_id].tied_to_request = False
@@ -157,9 +184,12 @@ class StoragePlanner:
         if ctx is not None and ctx.tied_to_request:
             self.ledger.abandon(st.fetch_id)  # type: ignore[arg-type]
 
-    def storage_tokens(self, req_id: str, block_size: int) -> int:
+    def storage_blocks_used(self, req_id: str, start: int, end: int) -> int:
+        """How many blocks of a hit on ``[start, end)`` this request's fetch brought in."""
         st = self._requests.get(req_id)
-        return 0 if st is None else st.storage_blocks * block_size
+        if st is None or not st.fetched_blocks:
+            return 0
+        return sum(start <= i < end for i in st.fetched_blocks)
 
     # -- per step ----------------------------------------------------------------------
     def step(self) -> tuple[list[FetchOrder], list[int]]:
@@ -177,20 +207,30 @@ class StoragePlanner:
         return len(self.ledger) > 0
 
     def reset(self) -> None:
-        """New weights (or an explicit reset): nothing stored so far may be served any more."""
-        self.epoch = "r" + uuid.uuid4().hex[:16]
+        """The epoch moved (``StorageGenerations.new_epoch``): every fetch and probe in flight
+        is of the old one; abandon them and let every request take what the host has."""
         self.ledger.abandon_all()
         self._probe_owner.clear()
+        self._missing.clear()
         for st in self._requests.values():
             st.phase, st.waits, st.probe_task, st.fetch_id = Phase.SETTLED, False, None, None
-        logger.info("himamba: storage epoch reset; older objects are unreachable")
 
-    def close(self) -> None:
-        """Detached: abandon every fetch (slots return at once) and close the probe store."""
+    def close(self) -> list[int]:
+        """Detached: abandon every fetch (slots return at once); returns the fetch ids the
+        workers must still be told to cancel (the caller sends them with the next plan)."""
         self.ledger.abandon_all()
+        _, cancels = self.ledger.take_outbox()
         self._probe_owner.clear()
         self._requests.clear()
-        self.store.close()
+        return cancels
+
+    def has_missing(self) -> bool:
+        return bool(self._missing)
+
+    def wrote(self, kind: ObjectKind, block_hash: bytes) -> None:
+        """The object is being written again (every rank): it may be whole now."""
+        if self._missing:
+            self._missing.pop((kind, block_hash), None)
 
     # -- probe answers ---------------------------------------------------------------------
     def _drain(self) -> None:
@@ -207,7 +247,9 @@ class StoragePlanner:
         n = len(st.hashes)
         if res.error is not None or len(res.ok) != 2 * n:
             return
-        kv_ok, mamba_ok = res.ok[:n], res.ok[n:]
+        kv_ok, mamba_ok = list(res.ok[:n]), list(res.ok[n:])
+        if self._missing:
+            self._mask_missing(st.hashes, kv_ok, mamba_ok)
         prefix = 0
         while prefix < n and kv_ok[prefix]:
             prefix += 1
@@ -216,14 +258,29 @@ class StoragePlanner:
         ends = [b for b in range(1, prefix + 1) if mamba_ok[b - 1]]
         self.tree.mark_storage(st.hashes, st.partition, prefix, ends)
         self.counters["storage_blocks_seen"] += prefix
-        if ends and self._start_fetch(req_id, st):
+        if not ends:
+            return
+        if st.start_block is None and st.waits:
+            st.phase = Phase.ANSWERED  # the fetch starts at the lookup, past the device hit
+        elif self._start_fetch(req_id, st):
             st.phase = Phase.FETCHING
+
+    def _mask_missing(self, hashes: list[bytes], kv_ok: list[bool], mamba_ok: list[bool]) -> None:
+        epoch, missing = self.epoch, self._missing
+        for i, h in enumerate(hashes):
+            if kv_ok[i] and missing.get((ObjectKind.KV, h)) == epoch:
+                kv_ok[i] = False
+                self.counters["storage_missing_masked"] += 1
+            if mamba_ok[i] and missing.get((ObjectKind.MAMBA, h)) == epoch:
+                mamba_ok[i] = False
+                self.counters["storage_missing_masked"] += 1
 
     # -- fetches -------------------------------------------------------------------------
     def _start_fetch(self, req_id: str, st: _Request) -> bool:
         """Reserve host slots for the storage-only part of the deepest hit that fits."""
-        res = self.tree.match(st.hashes, st.partition, 0, len(st.hashes))
-        if res.num_blocks <= res.host_num_blocks:
+        start = st.start_block or 0
+        res = self.tree.match(st.hashes, st.partition, start, len(st.hashes))
+        if res.num_blocks <= max(res.host_num_blocks, start):
             return False
         tree, hashes, part = self.tree, st.hashes, st.partition
         pin = tree.pin(hashes, part, res.num_blocks)
@@ -259,16 +316,16 @@ class StoragePlanner:
             tree.unlock(pin)
             pin = narrower
             self.counters["storage_fetch_shortened"] += 1
-        items = [FetchItem(KV, hashes[i], s) for i, s in keep]
+        items = [FetchItem(ObjectKind.KV, hashes[i], s) for i, s in keep]
         indexes = [i for i, _ in keep]
         if mamba_slot is not None:
-            items.append(FetchItem(MAMBA, hashes[target - 1], mamba_slot))
+            items.append(FetchItem(ObjectKind.MAMBA, hashes[target - 1], mamba_slot))
             indexes.append(target - 1)
         # Every storage op ends by its deadline after reaching the adapter, so acknowledgements
         # are due within a few deadlines; later, a rank died or an acknowledgement was lost, and
         # the fetch is given up (cancelled, its slots reclaimed).
         expires = time.monotonic() + 3 * self.cfg.op_deadline_s
-        fid = self.ledger.open(items, expires, self.epoch)
+        fid = self.ledger.open(items, expires)
         self._fetches[fid] = _Fetch(req_id, st.waits, pin, hashes, part, indexes, len(keep))
         st.fetch_id = fid
         self.counters["storage_fetches"] += 1
@@ -277,7 +334,7 @@ class StoragePlanner:
     def _settle_fetch(self, order: FetchOrder, ok: list[bool], outcome: FetchOutcome) -> None:
         ctx = self._fetches.pop(order.fetch_id)
         for item, good, index in zip(order.items, ok, ctx.indexes, strict=True):
-            if item.kind == KV:
+            if item.kind == ObjectKind.KV:
                 self.tree.complete_store([item.slot], [], ok=good)
             else:
                 self.tree.complete_store([], [item.slot], ok=good)
@@ -285,8 +342,10 @@ class StoragePlanner:
                 self.counters["storage_fetched" if good else "storage_fetch_failed"] += 1
                 if not good:
                     # Storage said yes but the bytes were missing or invalid on some rank:
-                    # forget them (and, conservatively, everything stored after them).
+                    # forget them (and, conservatively, everything stored after them), and do
+                    # not believe the next probe that says yes until they are written again.
                     self.tree.evict_storage(ctx.hashes, ctx.partition, index, None)
+                    self._remember_missing(item.kind, item.block_hash, order.generation.epoch)
         self.tree.unlock(ctx.pin)
         if outcome is FetchOutcome.ABANDONED:
             self.counters["storage_fetches_abandoned"] += 1
@@ -295,7 +354,13 @@ class StoragePlanner:
             st.fetch_id = None
             st.phase = Phase.SETTLED
             if outcome is FetchOutcome.DONE and all(ok):
-                st.storage_blocks = ctx.num_kv
+                st.fetched_blocks = frozenset(ctx.indexes[: ctx.num_kv])
+
+    def _remember_missing(self, kind: ObjectKind, block_hash: bytes, epoch: str) -> None:
+        self._missing[(kind, block_hash)] = epoch
+        self._missing.move_to_end((kind, block_hash))
+        while len(self._missing) > MISSING_MEMORY:
+            self._missing.popitem(last=False)
 
     # -- introspection ---------------------------------------------------------------------
     def pending(self) -> dict[str, int]:

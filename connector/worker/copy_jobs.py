@@ -19,20 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from himamba.connector.observability.metrics import StatsRecorder
+from himamba.connector.protocol import ObjectKind, StoreDone
 from himamba.tiers.transfer import CopyPlan
 from himamba.tiers.transfer_engine import CopyEngine
 
 
 class CopyFailed(RuntimeError):
     """A store copy failed: its host slots hold unknown bytes, so serving on is unsafe."""
-
-
-@dataclass
-class StoreDone:
-    """A completed store: which host slots now hold which blocks (for storage write-through)."""
-
-    batches: list[tuple[int, list[int], list[bytes]]]  # (object kind, slots, hashes)
-    epoch: str
 
 
 @dataclass
@@ -56,6 +49,8 @@ class CopyJobs:
         self._recorder = recorder
         self._stores: dict[int, _Store] = {}
         self._loads: dict[int, _Load] = {}
+        # (kind, slot) -> store job filling it, until that store is reaped.
+        self._filling: dict[tuple[ObjectKind, int], int] = {}
 
     # -- stores ---------------------------------------------------------------------------
     def submit_store(self, plans: Sequence[CopyPlan], done: StoreDone) -> None:
@@ -65,6 +60,14 @@ class CopyJobs:
         self._count(plans)
         job = self.engine.submit(plans)
         self._stores[job] = _Store(done, nbytes)
+        for batch in done.batches:
+            for slot in batch.slots:
+                self._filling[(batch.kind, slot)] = job
+
+    def stores_into(self, kind: ObjectKind, slots: Sequence[int]) -> bool:
+        """Whether a store not yet reaped fills any of ``slots``."""
+        filling = self._filling
+        return bool(filling) and any((kind, s) in filling for s in slots)
 
     def wait_stores(self) -> list[StoreDone]:
         """Wait for every store in flight; returns them (completed) for storage."""
@@ -78,6 +81,10 @@ class CopyJobs:
         out = []
         for r in self.engine.collect(list(self._stores)):
             store = self._stores.pop(r.job_id)
+            for batch in store.done.batches:
+                for slot in batch.slots:
+                    if self._filling.get((batch.kind, slot)) == r.job_id:
+                        del self._filling[(batch.kind, slot)]
             if not r.ok:
                 raise CopyFailed(f"himamba: a store into the host tier failed: {r.error}")
             self._counters["bytes_stored"] += store.nbytes

@@ -17,18 +17,23 @@ from typing import Any
 
 import torch
 
-from himamba.connector.control import ControlRequest
-from himamba.connector.fetch_protocol import FetchAck
-from himamba.connector.jobs import LoadJob, StepPlan, StoreBatch
 from himamba.connector.layout import GroupLayout, HybridLayout
 from himamba.connector.observability.metrics import StatsRecorder
-from himamba.connector.worker.copy_jobs import CopyJobs, StoreDone
+from himamba.connector.protocol import (
+    ControlRequest,
+    FetchAck,
+    LoadJob,
+    ObjectKind,
+    StepPlan,
+    StoreBatch,
+    StoredBatch,
+    StoreDone,
+)
+from himamba.connector.worker.copy_jobs import CopyJobs
 from himamba.connector.worker.worker_storage import WorkerStorage
 from himamba.mamba_state.snapshot import NULL_BLOCK, MambaSnapshotter
 from himamba.tiers.cpu_pool import HostSlotPool, spare_slots
 from himamba.tiers.object_format import HEADER_SIZE
-from himamba.tiers.object_format import KV_OBJECT as KV
-from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
 from himamba.tiers.transfer import CopyPlan, LayerBlocks, plan_copies
 from himamba.tiers.transfer_engine import make_copy_engine
 
@@ -107,7 +112,7 @@ class WorkerHalf:
     # -- storage switches (connector.control) -----------------------------------------
     def _attach(self, opener: Callable[[dict[int, HostSlotPool]], WorkerStorage]) -> None:
         assert self.kv_pool is not None and self.mamba is not None
-        self.storage = opener({KV: self.kv_pool, MAMBA: self.mamba.pool})
+        self.storage = opener({ObjectKind.KV: self.kv_pool, ObjectKind.MAMBA: self.mamba.pool})
         if self.record_storage_events:
             self.storage.outcomes = []
 
@@ -178,7 +183,7 @@ class WorkerHalf:
         if self.copies is not None:
             self._to_storage(self.copies.wait_stores())
 
-    def flush_storage(self, timeout_s: float = 30.0) -> bool:
+    def flush_storage(self, timeout_s: float = 30.0) -> bool:  # graceful shutdown, tests
         """Hand every finished copy to storage and wait until storage has written it all."""
         self.settle()
         return self.storage is None or self.storage.flush(timeout_s)
@@ -187,13 +192,14 @@ class WorkerHalf:
         if self.storage is None:
             return
         for done in stores:
-            for kind, slots, hashes in done.batches:
-                self.storage.on_stored(kind, slots, hashes, done.epoch)
+            for batch in done.batches:
+                self.storage.on_stored(batch.kind, batch.slots, batch.hashes, done.epoch)
 
     def run_loads(self, plan: StepPlan) -> None:
-        # Normally a no-op (handle_preemptions fenced before this step began); host objects
-        # about to be written to storage, or an idle step, need every store complete.
-        if plan.storage_writes or plan.is_empty():
+        # A slot's last store must be complete (and handed to storage) before a storage write
+        # reads the slot or a fetch lends it to the adapter; an idle step hands the last
+        # stores on. Otherwise a no-op on CPU, where handle_preemptions fenced already.
+        if plan.storage_writes or plan.fetches or plan.is_empty():
             self.settle()
         else:
             self.fence()
@@ -201,13 +207,17 @@ class WorkerHalf:
         if self.storage is None:
             # Detached while the scheduler still planned fetches: fail them back at once.
             self._orphan_acks += [
-                FetchAck(o.fetch_id, self.rank, (False,) * len(o.items)) for o in plan.fetches
+                FetchAck(o.fetch_id, o.generation.planner, self.rank, (False,) * len(o.items))
+                for o in plan.fetches
             ]
         else:
             # Cancels first: the scheduler may reuse a cancelled fetch's slots in this very plan;
-            # then writes of host objects, before this step's stores or fetches overwrite them.
+            # then writes of host objects, before this step's stores or fetches overwrite them;
+            # then the slots the scheduler freed, whose bytes no longer belong to any key.
             self.storage.cancel(plan.cancels)
             self.storage.write_slots(plan.storage_writes, plan.epoch)
+            self.storage.forget_slots(ObjectKind.KV, plan.freed_kv)
+            self.storage.forget_slots(ObjectKind.MAMBA, plan.freed_mamba)
             self.storage.fetch(plan.fetches)
         assert self.copies is not None
         for job in plan.loads:
@@ -240,6 +250,12 @@ class WorkerHalf:
     def run_stores(self, plan: StepPlan) -> None:
         """Submit this step's device -> host copies; they complete off the step (see fence)."""
         assert self.kv_pool is not None and self.mamba is not None and self.copies is not None
+        if self.copies.stores_into(ObjectKind.KV, plan.kv_stores.slots) or self.copies.stores_into(
+            ObjectKind.MAMBA, plan.mamba_stores.slots
+        ):
+            # A slot an earlier store (still copying, on a GPU) fills: that store's bytes go to
+            # storage under its own key before this one overwrites them.
+            self.settle()
         plans = []
         if plan.kv_stores:
             per_layer = self._kv_per_layer(plan.kv_stores.blocks)
@@ -250,11 +266,14 @@ class WorkerHalf:
             plans.append(
                 self.mamba.plan_snapshot(plan.mamba_stores.blocks, plan.mamba_stores.slots)
             )
-        batches = [
-            (kind, batch.slots, batch.hashes)
-            for kind, batch in ((KV, plan.kv_stores), (MAMBA, plan.mamba_stores))
+        batches = tuple(
+            StoredBatch(kind, tuple(batch.slots), tuple(batch.hashes))
+            for kind, batch in (
+                (ObjectKind.KV, plan.kv_stores),
+                (ObjectKind.MAMBA, plan.mamba_stores),
+            )
             if batch
-        ]
+        )
         self.copies.submit_store(plans, StoreDone(batches, plan.epoch))
 
     def take_results(self) -> tuple[set[str], set[str]]:

@@ -21,23 +21,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from himamba.connector.fetch_protocol import FetchAck, FetchOrder
-from himamba.connector.observability.kv_events import StorageOp, StorageOutcome
 from himamba.connector.observability.metrics import StatsRecorder
-from himamba.tiers.cpu_pool import HostSlotPool
-from himamba.tiers.object_format import (
-    HEADER_SIZE,
-    KV_OBJECT,
-    MAMBA_OBJECT,
+from himamba.connector.protocol import (
+    FetchAck,
+    FetchOrder,
     ObjectKind,
-    StorageKey,
-    stored_size,
+    StorageOp,
+    StorageOutcome,
+    StorageWrite,
 )
+from himamba.tiers.cpu_pool import HostSlotPool
+from himamba.tiers.object_format import HEADER_SIZE, StorageKey, stored_size
 from himamba.tiers.staging import ObjectView
 
 logger = logging.getLogger(__name__)
 
-_SERIES = {KV_OBJECT: "storage,kv", MAMBA_OBJECT: "storage,mamba"}
+_SERIES = {ObjectKind.KV: "storage,kv", ObjectKind.MAMBA: "storage,mamba"}
 
 
 @dataclass
@@ -69,6 +68,8 @@ class WorkerStorage:
         self._gets: dict[int, _Get] = {}  # store task id -> live fetch
         self._lent = dict.fromkeys(pools, 0)  # kind -> slots lent to live gets
         self._held: dict[int, list[tuple[int, int]]] = {}  # task -> (kind, physical) held
+        # Gets the store released before their result was polled: nothing to swap out then.
+        self._released_early: set[int] = set()
         self._fetch_tasks: dict[int, int] = {}  # fetch id -> store task id
         self._puts: dict[int, list[StorageKey]] = {}
         # Objects this process wrote, oldest first: the LRU that capacity_gb evicts from. Kept
@@ -111,12 +112,19 @@ class WorkerStorage:
             for slot, h in zip(slots, hashes, strict=True):
                 self._dirty[(kind, slot)] = (h, epoch)
 
-    def write_slots(self, items: Sequence[tuple[int, int, bytes]], epoch: str = "") -> None:
-        """The scheduler's explicit writes (kind, slot, hash): popular objects (selective) or
-        objects the CPU tier is evicting (write-back), before their slots are reused."""
-        for kind in {k for k, _, _ in items}:
-            mine = [(s, h) for k, s, h in items if k == kind]
-            self._put(kind, [s for s, _ in mine], [h for _, h in mine], epoch)
+    def write_slots(self, items: Sequence[StorageWrite], epoch: str = "") -> None:
+        """The scheduler's explicit writes: popular objects (selective) or objects the CPU tier
+        is evicting (write-back), before their slots are reused."""
+        for kind in {w.kind for w in items}:
+            mine = [w for w in items if w.kind == kind]
+            self._put(kind, [w.slot for w in mine], [w.block_hash for w in mine], epoch)
+
+    def forget_slots(self, kind: ObjectKind, slots: Sequence[int]) -> None:
+        """The scheduler freed these slots: whatever they hold belongs to no key any more, so
+        write-back must never write them under the key they had."""
+        if self._dirty:
+            for slot in slots:
+                self._dirty.pop((kind, slot), None)
 
     def _put(self, kind: int, slots: Sequence[int], hashes: Sequence[bytes], epoch: str) -> None:
         if not slots:
@@ -149,14 +157,14 @@ class WorkerStorage:
             get = None if tid is None else self._gets.pop(tid, None)
             if get is not None:
                 # Before the scheduler's reuse of its slots, this step.
+                self._released_early.discard(tid)
                 self._end_lending(tid, get, self.store.cancel(tid))
                 self.counters["storage_gets_cancelled"] += 1
 
     def fetch(self, orders: Sequence[FetchOrder]) -> None:
         for order in orders:
-            keys = [
-                StorageKey(it.block_hash, ObjectKind(it.kind), order.epoch) for it in order.items
-            ]
+            epoch = order.generation.epoch
+            keys = [StorageKey(it.block_hash, it.kind, epoch) for it in order.items]
             dsts: list[Any] = []
             lent: list[bool] = []
             for it in order.items:
@@ -184,19 +192,25 @@ class WorkerStorage:
 
     def _take_released(self) -> None:
         for tid in self.store.take_released():
-            for kind, physical in self._held.pop(tid, []):
-                self.pools[kind].take_back(physical)
+            held = self._held.pop(tid, None)
+            if held is not None:
+                for kind, physical in held:
+                    self.pools[kind].take_back(physical)
+            elif tid in self._gets:
+                # Its result (held) finished after this step's poll: it comes next poll.
+                self._released_early.add(tid)
 
     def abort_fetches(self) -> list[FetchAck]:
         """Give up every running fetch (storage is being detached): each is acknowledged as
         failed now, and its late bytes are dropped like a cancelled fetch's."""
         acks = [
-            FetchAck(get.order.fetch_id, self.rank, (False,) * len(get.order.items))
+            _ack(get.order, self.rank, (False,) * len(get.order.items))
             for get in self._gets.values()
         ]
         for tid, get in self._gets.items():
-            self._end_lending(tid, get, self.store.cancel(tid))
+            self._end_lending(tid, get, self.store.cancel(tid) and tid not in self._released_early)
         self._gets.clear()
+        self._released_early.clear()
         self._fetch_tasks.clear()
         return acks
 
@@ -209,7 +223,9 @@ class WorkerStorage:
             get = self._gets.pop(res.task_id, None)
             if get is not None:
                 self._fetch_tasks.pop(get.order.fetch_id, None)
-                self._end_lending(res.task_id, get, res.held)
+                early = res.task_id in self._released_early
+                self._released_early.discard(res.task_id)
+                self._end_lending(res.task_id, get, res.held and not early)
                 before = self.counters["storage_bytes_read"]
                 self._finish_get(get, res)
                 moved = self.counters["storage_bytes_read"] - before
@@ -250,10 +266,10 @@ class WorkerStorage:
             else:
                 self.counters["storage_gets_failed"] += 1
                 if self.outcomes is not None and res.error is None:  # missing or invalid here
-                    gone = (StorageOp.REMOVED, self.rank, item.kind, item.block_hash)
-                    self.outcomes.append(StorageOutcome(*gone, get.order.epoch))
+                    gone = (StorageOp.REMOVED, self.rank, int(item.kind), item.block_hash)
+                    self.outcomes.append(StorageOutcome(*gone, get.order.generation.epoch))
             oks.append(ok)
-        self._acks.append(FetchAck(get.order.fetch_id, self.rank, tuple(oks)))
+        self._acks.append(_ack(get.order, self.rank, tuple(oks)))
 
     def take_acks(self) -> list[FetchAck]:
         acks, self._acks = self._acks, []
@@ -317,6 +333,8 @@ class WorkerStorage:
             "storage_lru_objects": 0 if self._lru is None else len(self._lru),
             "storage_dirty_slots": len(self._dirty),
             "storage_slots_lent": sum(self._lent.values()),
+            "storage_slots_held": sum(len(v) for v in self._held.values()),
+            "storage_released_early": len(self._released_early),
         }
 
     def close(self, flush_timeout_s: float = 5.0) -> None:
@@ -327,3 +345,7 @@ class WorkerStorage:
         self.flush(flush_timeout_s)
         self.store.close()
         self._take_released()  # the adapter is closed: what it held is free
+
+
+def _ack(order: FetchOrder, rank: int, ok: tuple[bool, ...]) -> FetchAck:
+    return FetchAck(order.fetch_id, order.generation.planner, rank, ok)

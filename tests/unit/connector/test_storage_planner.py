@@ -1,0 +1,138 @@
+"""The scheduler's storage planner as a sequence of hook calls, over a real tree and a scripted
+store (the store's answers are the input here, so a fake one is the point): a shard missing on
+one rank is not fetched forever, a deadline passed in slow engine steps is not blamed on
+storage, and a fetch never reads what vLLM's device cache already holds."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from himamba.connector.protocol import FetchAck, ObjectKind
+from himamba.connector.scheduler.generations import StorageGenerations
+from himamba.connector.scheduler.storage_planner import StoragePlanner
+from himamba.connector.tree import HybridRadixTree
+from himamba.tiers.storage_config import StorageConfig
+
+NUM_BLOCKS = 4
+
+
+@dataclass
+class Answer:
+    task_id: int
+    ok: tuple[bool, ...]
+    error: object = None
+
+
+@dataclass
+class ScriptedStore:
+    """Answers every ``exists`` with "all there" (or never, when ``silent``)."""
+
+    silent: bool = False
+    slow_reports: list[str] = field(default_factory=list)
+    _next: int = 1
+    _done: list[Answer] = field(default_factory=list)
+
+    def submit_exists(self, keys: list) -> int:
+        tid, self._next = self._next, self._next + 1
+        if not self.silent:
+            self._done.append(Answer(tid, (True,) * len(keys)))
+        return tid
+
+    def poll(self) -> list[Answer]:
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, task_id: int, timeout_s: float | None) -> Answer | None:
+        for a in self._done:
+            if a.task_id == task_id:
+                self._done.remove(a)
+                return a
+        return None
+
+    def report_slow(self, reason: str) -> None:
+        self.slow_reports.append(reason)
+
+    def close(self) -> None:
+        pass
+
+
+def hashes(tag: int) -> list[bytes]:
+    return [bytes([tag, i]) * 16 for i in range(NUM_BLOCKS)]
+
+
+def planner(store: ScriptedStore, world_size: int = 1, **storage: object) -> StoragePlanner:
+    cfg = StorageConfig.from_dict({"url": "file:///unused", **storage})
+    tree = HybridRadixTree(32, 8)
+    counters: defaultdict[str, int] = defaultdict(int)
+    return StoragePlanner(cfg, store, tree, counters, StorageGenerations(), world_size)
+
+
+def ack_all(p: StoragePlanner, ranks_ok: dict[int, bool], first_item_only: bool = True) -> None:
+    orders, _ = p.step()
+    for order in orders:
+        for rank, good in ranks_ok.items():
+            ok = tuple(good or (first_item_only and i > 0) for i in range(len(order.items)))
+            p.on_acks([FetchAck(order.fetch_id, order.generation.planner, rank, ok)])
+
+
+def test_a_shard_missing_on_one_rank_is_not_fetched_again_until_it_is_rewritten() -> None:
+    p = planner(ScriptedStore(), world_size=2)
+    h = hashes(1)
+    p.begin("a", h, None, 1000)
+    assert p.must_wait("a", 0, NUM_BLOCKS)  # probe answered, fetch sent
+    ack_all(p, {0: True, 1: False})  # rank 1 lacks block 0's shard
+    assert p.counters["storage_fetch_failed"] == 1
+    p.forget("a")
+    # The next request with the same prefix: rank 0's probe still says yes.
+    p.begin("b", h, None, 1000)
+    assert not p.must_wait("b", 0, NUM_BLOCKS)  # nothing fetchable: no wait, no fetch
+    assert p.step() == ([], [])
+    assert p.counters["storage_missing_masked"] >= 1
+    p.forget("b")
+    # Written again (every rank): the next request may fetch it.
+    p.wrote(ObjectKind.KV, h[0])
+    p.begin("c", h, None, 1000)
+    assert p.must_wait("c", 0, NUM_BLOCKS)
+    orders, _ = p.step()
+    assert orders and orders[0].items[0].block_hash == h[0]
+
+
+def test_a_deadline_passed_in_slow_engine_steps_is_not_reported_as_slow_storage() -> None:
+    store = ScriptedStore()
+    p = planner(store, prefetch_timeout_base_s=0.05, prefetch_timeout_max_s=0.05)
+    p.begin("a", hashes(2), None, 100)
+    assert p.must_wait("a", 0, NUM_BLOCKS)  # answered at once; the fetch waits for acks
+    time.sleep(0.08)  # a slow engine step: the workers' ack has not come back yet
+    assert not p.must_wait("a", 0, NUM_BLOCKS)  # the request goes ahead ...
+    assert store.slow_reports == []  # ... but storage answered in time: not its fault
+
+
+def test_a_probe_the_store_never_answers_is_reported_as_slow() -> None:
+    store = ScriptedStore(silent=True)
+    p = planner(store, prefetch_timeout_base_s=0.05, prefetch_timeout_max_s=0.05, probe_wait_ms=1)
+    p.begin("a", hashes(3), None, 100)
+    assert p.must_wait("a", 0, NUM_BLOCKS)
+    time.sleep(0.08)
+    assert not p.must_wait("a", 0, NUM_BLOCKS)
+    assert len(store.slow_reports) == 1
+
+
+def test_a_fetch_starts_past_the_blocks_vllms_device_cache_holds() -> None:
+    p = planner(ScriptedStore())
+    h = hashes(4)
+    p.begin("a", h, None, 1000)  # answered before the lookup: the fetch waits for it
+    assert p.step() == ([], [])
+    assert p.must_wait("a", 2, NUM_BLOCKS)  # vLLM holds blocks 0 and 1 on the device
+    orders, _ = p.step()
+    kv = [it.block_hash for it in orders[0].items if it.kind == ObjectKind.KV]
+    assert kv == h[2:]
+
+
+def test_a_best_effort_request_warms_the_host_from_block_zero_without_a_lookup() -> None:
+    p = planner(ScriptedStore(), prefetch_policy="best_effort")
+    h = hashes(5)
+    p.begin("a", h, None, 1000)
+    orders, _ = p.step()
+    assert [it.block_hash for it in orders[0].items if it.kind == ObjectKind.KV] == h
