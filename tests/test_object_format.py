@@ -1,4 +1,4 @@
-"""The stored object's checksum (issue 9): cheap enough for reads at I/O speed, still sound.
+"""The stored object's checksum: cheap enough for reads at I/O speed, still sound.
 
 The checksum is unkeyed (it guards integrity, not forgery), so the cheapest one that catches
 corruption wins: xxh3_128 by default. These tests pin what must not change with the algorithm:
@@ -59,8 +59,8 @@ def test_xxh3_flipped_stored_digest_is_a_checksum_miss():
 
 
 def test_objects_of_the_previous_default_are_algo_misses_unless_configured():
-    """Format version 1 is kept: an object sealed with blake3 (the default before issue 9)
-    is readable with `checksum: blake3` and a clean 'algo' miss under xxh3_128, and the
+    """Format version 1 is kept: an object sealed with blake3 (a store written under
+    `checksum: blake3`) is readable with `checksum: blake3` and a clean 'algo' miss under xxh3_128, and the
     header's algo byte can never make a reader skip or weaken its own check."""
     payload = b"kv" * 5000
     old = sealed(payload, ChecksumAlgo.BLAKE3)

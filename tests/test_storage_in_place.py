@@ -33,6 +33,7 @@ from himamba.tiers.lmcache_store import LMCacheStore  # noqa: E402
 from himamba.tiers.object_format import HEADER_SIZE, StorageKey  # noqa: E402
 from himamba.tiers.staging import ObjectView  # noqa: E402
 from himamba.tiers.storage_config import StorageConfig  # noqa: E402
+from himamba.tiers.storage_records import TaskError  # noqa: E402
 
 
 def store_reading_late(storage_dir: Path, delay_s: float, op_deadline_s: float = 10.0):
@@ -103,7 +104,7 @@ def test_a_view_the_adapter_still_writes_is_held_until_it_answers(storage_dir: P
             assert s.cancel(tid) is True
         r = run(s, tid)
         assert r.held and r.ok == (False,)
-        assert r.error == ("cancelled" if how == "cancel" else "deadline")
+        assert r.error is (TaskError.CANCELLED if how == "cancel" else TaskError.DEADLINE)
         assert s.take_released() == [] and s.cancel(tid) is True  # still held
         assert eventually(lambda: view[HEADER_SIZE:].any(), 5)  # the late write did land
         released: list[int] = []

@@ -34,6 +34,7 @@ from himamba.tiers.object_format import (  # noqa: E402
     validate_object,
 )
 from himamba.tiers.storage_config import StorageConfig, prefetch_deadline_s  # noqa: E402
+from himamba.tiers.storage_records import TaskError  # noqa: E402
 
 KV, MAMBA = ObjectKind.KV, ObjectKind.MAMBA
 FP = LayoutFingerprint(16, "bfloat16", (4, 2, 16, 2, 64), ("float32",), ((4, 8, 64),), 0, 1, "NHD")
@@ -228,9 +229,9 @@ def store_with_load_hook(
 
 
 def test_large_get_is_loaded_in_several_adapter_calls_and_still_exact(storage_dir: Path):
-    """One adapter call per task made every check wait for the task's last byte (issue 9:
-    reads at 0.2x of file I/O); calls of ~4 MiB let the CPU workers verify and copy the first
-    objects while the adapter still reads the rest. A corrupt object stays a per-key miss."""
+    """One adapter call per task would make every check wait for the task's last byte; calls
+    of ~4 MiB let the CPU workers verify and copy the first objects while the adapter still
+    reads the rest. A corrupt object stays a per-key miss."""
     calls: list[int] = []
     s = store_with_load_hook(storage_dir, lambda keys: calls.append(len(keys)))
     try:
@@ -265,7 +266,7 @@ def test_a_cancel_stops_every_later_copy_into_a_staged_get(storage_dir: Path):
         time.sleep(0.05)
         assert s.cancel(tid) is False  # nothing lent: nothing held
         r = run(s, tid)
-        assert r.error == "cancelled" and r.ok == (False,) and not r.held
+        assert r.error is TaskError.CANCELLED and r.ok == (False,) and not r.held
         time.sleep(0.8)  # the adapter's late answer is validated, never copied
         assert not dst.any()
     finally:
@@ -326,7 +327,7 @@ def test_redis_killed_ops_fail_fast_then_hits_return_after_restart(redis_server:
     assert eventually(lambda: s.breaker_state is not BreakerState.CLOSED, 3)
     t1 = time.monotonic()
     r = run(s, s.submit_exists([k]))
-    assert (r.ok, r.error) == ((False,), "breaker_open") and time.monotonic() - t1 < 0.25
+    assert (r.ok, r.error) == ((False,), TaskError.BREAKER_OPEN) and time.monotonic() - t1 < 0.25
     redis_server.start()  # same port, empty (no persistence)
     assert eventually(lambda: s.breaker_state is BreakerState.CLOSED, 10)
     assert s.stats.adapter_recreations >= 1
@@ -345,9 +346,9 @@ def test_deadline_expiry_fails_task_and_keeps_staging_until_adapter_finishes(red
         dst = torch.zeros_like(d)
         t0 = time.monotonic()
         r = run(s, s.submit_get([k], [dst]))
-        assert (r.ok, r.error) == ((False,), "deadline") and time.monotonic() - t0 < 2
+        assert (r.ok, r.error) == ((False,), TaskError.DEADLINE) and time.monotonic() - t0 < 2
         rp = run(s, s.submit_put([StorageKey(h(9), KV)], [d]))
-        assert rp.error == "deadline"
+        assert rp.error is TaskError.DEADLINE
         assert s.quarantined_buffers() == 2  # still lent to the hung adapter
     finally:
         redis_server.resume()
@@ -446,9 +447,12 @@ def test_store_threads_run_at_background_priority_and_the_caller_keeps_its_own(t
     store = make_store(str(tmp_path), thread_nice=me + 7)
     try:
         assert run(store, store.submit_put([StorageKey(h(1), KV)], [payload(1, 64)])).ok == (True,)
-        driver = store._driver.native_id
-        assert os.getpriority(os.PRIO_PROCESS, driver) == me + 7
-        workers = [t for t in threading.enumerate() if t.name.startswith("himamba-l3-cpu")]
+        workers = [
+            t
+            for t in threading.enumerate()
+            if t.name == "himamba-l3-driver" or t.name.startswith("himamba-l3-cpu")
+        ]
+        assert any(t.name == "himamba-l3-driver" for t in workers)
         assert workers and all(
             os.getpriority(os.PRIO_PROCESS, t.native_id) == me + 7 for t in workers
         )

@@ -93,15 +93,15 @@ def test_checksum_backlog_on_healthy_fs_never_expires_or_opens_breaker(
     in front of the adapter lasts several op deadlines while each adapter call takes a
     fraction of one. A deadline that started at submission expired the tail of the burst and
     opened the breaker on healthy storage; it must time the adapter only."""
-    import himamba.tiers.store_pipeline as pipeline
+    import himamba.tiers.put_path as put_path
 
-    real_seal = pipeline.seal_object
+    real_seal = put_path.seal_object
 
     def slow_seal(*args, **kwargs) -> None:  # fault injection: a real CPU cannot be starved
         time.sleep(0.02)  # on demand, reproducibly
         real_seal(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "seal_object", slow_seal)
+    monkeypatch.setattr(put_path, "seal_object", slow_seal)
     deadline, n = 0.3, 64
     s = make_store(
         f"file://{storage_dir}",

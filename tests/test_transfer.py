@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from unit.tiers.pool_helpers import read_slot, write_slot
 
 from himamba.mamba_state.snapshot import MambaSnapshotter
 from himamba.mamba_state.state_layout import MambaStateLayout
@@ -70,10 +71,10 @@ def test_slot_read_write_round_trip_concatenates_layers():
     pool = HostSlotPool([3, 5], num_slots=2)
     pool.rows[0][1] = torch.tensor([1, 2, 3], dtype=torch.uint8)
     pool.rows[1][1] = torch.tensor([4, 5, 6, 7, 8], dtype=torch.uint8)
-    data = pool.read_slot(1)
+    data = read_slot(pool, 1)
     assert data.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
-    pool.write_slot(0, data)
-    assert pool.read_slot(0).tolist() == data.tolist()
+    write_slot(pool, 0, data)
+    assert read_slot(pool, 0).tolist() == data.tolist()
 
 
 def test_state_layout_unpacks_conv_then_ssm_views():

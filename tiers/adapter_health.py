@@ -6,10 +6,13 @@ healthy, and a size-mismatched reply desynchronises its connection for good. So 
 judged here, from outcomes (`outcome`), the scheduler's timed-out waits (`report_slow`) and a
 periodic write-then-read probe, through a `CircuitBreaker`. The cure for a broken adapter is a
 fresh one: `_recreate` swaps it in and keeps the old one's buffers ("quarantined") until the
-old adapter is closed, because its native threads may still write into them.
+old adapter is closed, because its native threads may still write into them. That close runs
+on a thread of its own (it waits for the adapter's I/O) and posts the free to the driver,
+which runs it even when the store closed meanwhile (`driver.Driver.post`).
 
-Everything here runs on the store's driver thread (except `report_slow`); the task pipeline (`TaskRunner`) executes
-the probe's ops and hands over its in-flight batches when the adapter is replaced.
+Everything here runs on the store's driver thread (except `report_slow`); the task pipeline
+(`TaskRunner`) executes the probe's ops and hands over its in-flight batches when the adapter
+is replaced.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class AdapterHealth:
         self.fds: list[int] = []  # the adapter's completion eventfds, for the driver's select
         self._gen = 0
         self._quarantine: dict[int, list[Batch]] = {}  # adapter generation -> its batches
+        self._closers: list[threading.Thread] = []  # closing replaced adapters
         self.probe_key = StorageKey(uuid.uuid4().bytes, ObjectKind.PROBE)
         self._probe_id = 0  # only the latest probe's answer counts
         self._probing = False
@@ -243,7 +247,10 @@ class AdapterHealth:
             # Its threads are gone: the buffers may be reused now.
             self._post(lambda: runner.free_batches(self._quarantine.pop(gen, [])))
 
-        threading.Thread(target=close_old, name="himamba-l3-close", daemon=True).start()
+        self._closers = [t for t in self._closers if t.is_alive()]
+        closer = threading.Thread(target=close_old, name="himamba-l3-close", daemon=True)
+        self._closers.append(closer)
+        closer.start()
         try:
             self._install(self._create_adapter())
         except Exception as e:
@@ -253,8 +260,18 @@ class AdapterHealth:
         self.stats.adapter_recreations += 1
         return True
 
-    def close(self) -> None:
-        """Close the current adapter (the caller stopped the driver and finished all tasks)."""
+    def close(self, wait_old_s: float) -> None:
+        """Wait up to `wait_old_s` for replaced adapters to finish closing (their buffers are
+        freed as each does), then close the current one. The caller stopped the driver and
+        finished all tasks, and holds no lock the frees need."""
+        deadline = time.monotonic() + wait_old_s
+        for t in self._closers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._closers):
+            log.warning(
+                "a replaced storage adapter is still closing: %d buffers stay quarantined",
+                self.quarantined_buffers(),
+            )
         if self.adapter is not None:
             try:
                 self.adapter.close()

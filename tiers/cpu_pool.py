@@ -2,7 +2,7 @@
 
 A slot is ``head_bytes`` of room for a storage object's header, then its per-layer rows back
 to back: a storage read lands a whole object (header + payload) straight in the slot, with no
-staging copy (issue 9: that copy held reads to a third of plain file reads). Layer l of every
+staging copy (a staging copy holds reads to a third of plain file reads). Layer l of every
 slot is still a ``[num_slots, layer_bytes]`` view (strided), so device copies plan per layer.
 
 Slot ids are logical. Each maps to a physical slot, and a few spare physical slots stand by:
@@ -113,15 +113,3 @@ class HostSlotPool:
     def take_back(self, physical: int) -> None:
         """A physical slot given up by `swap_out` is free again (a spare)."""
         self._spares.append(physical)
-
-    def read_slot(self, slot: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """All layers of one slot as one contiguous byte tensor (tests, checks)."""
-        out = torch.empty(self.slot_bytes, dtype=torch.uint8) if out is None else out
-        out.numpy()[:] = self.slot_payload(slot)
-        return out
-
-    def write_slot(self, slot: int, data: torch.Tensor) -> None:
-        """Inverse of read_slot; ``data`` must be exactly slot_bytes long."""
-        if data.numel() != self.slot_bytes:
-            raise ValueError(f"slot payload is {data.numel()} bytes, expected {self.slot_bytes}")
-        self.slot_payload(slot)[:] = data.numpy()

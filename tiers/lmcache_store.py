@@ -2,34 +2,34 @@
 
 Callers (scheduler: exists; worker: put/get) only enqueue; one driver thread owns the adapter,
 and `poll()` hands back finished tasks, so vLLM's step loop never waits on storage. The work
-is split in two halves that meet only on this thread:
+is split in two halves that meet only on that thread (`driver.Driver`):
 
 * `store_pipeline.TaskPipeline`: a task's way from submit to result (staging, size batches,
   adapter calls, checksums, validation, deadlines, bounded write buffer);
 * `adapter_health.AdapterHealth`: which adapter is current and whether it may be used
   (circuit breaker, health probe, recreation, quarantine of a replaced adapter's buffers).
 
-This module holds the public class and the driver loop that runs both.
+This module holds the public class (`byte_store.ByteStore` is its contract with the connector)
+and the order in which closing takes it apart.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import select
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .adapter_health import AdapterHealth, create_lmcache_adapter
 from .circuit_breaker import BreakerState
+from .driver import Driver
 from .object_format import Namespace, StorageKey
 from .storage_config import StorageConfig
 from .storage_records import OpKind, StoreStats, TaskError, TaskResult
 from .store_pipeline import TaskPipeline
-from .thread_priority import lower_current_thread
+
+if TYPE_CHECKING:
+    from .byte_store import ByteStore
 
 __all__ = [
     "LMCacheStore",
@@ -41,7 +41,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_TICK_S = 0.05  # driver wake-up without events: deadlines and probes need a clock
+# How long close() waits for the driver's current step, and for replaced adapters to finish
+# closing (their buffers are freed then; a slower one frees them whenever it finishes).
+_DRIVER_STOP_S = 10.0
+_OLD_ADAPTERS_CLOSE_S = 5.0
 
 
 class LMCacheStore:
@@ -55,27 +58,22 @@ class LMCacheStore:
     ) -> None:
         self.cfg, self.ns = cfg, namespace
         self.stats = StoreStats()
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._stop = threading.Event()
         self._closed = False
+        self._driver = Driver(self._step, lambda: self._health.fds, cfg.thread_nice)
         # Looked up at call time, not bound as a default argument, so a fault-injection test can
         # replace the module's factory.
         factory = adapter_factory or create_lmcache_adapter
-        self._health = AdapterHealth(cfg, factory, self.stats, self._post)
-        self._pipeline = TaskPipeline(cfg, namespace, self._health, self.stats, self._post)
+        self._health = AdapterHealth(cfg, factory, self.stats, self._driver.post)
+        self._pipeline = TaskPipeline(cfg, namespace, self._health, self.stats, self._driver.post)
         self._health.attach(self._pipeline)
         try:
             self._health.open()
         except BaseException:
+            self._driver.stop(0)
             self._pipeline.stop_workers()
             self._pipeline.fail_unfinished()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._driver.close()
             raise
-        self._driver = threading.Thread(target=self._run, name="himamba-l3-driver", daemon=True)
         self._driver.start()
 
     # ------------------------------------------------------------------ public API
@@ -87,6 +85,14 @@ class LMCacheStore:
         caller may reuse them at once. If the write buffer (`write_buffer_mb`) cannot take
         the whole put, nothing is stored: the task completes with error BACKPRESSURE."""
         return self._pipeline.submit_put(keys, payloads)
+
+    def submit_put_later(
+        self, keys: Sequence[StorageKey], payloads: Sequence[Any]
+    ) -> tuple[int, Callable[[], None] | None]:
+        """`submit_put` whose copy into the write buffer the caller runs later, on a thread of
+        its choice (the payloads must stay unchanged until then); None when the put already
+        failed (BACKPRESSURE, breaker open), with its result reported as for `submit_put`."""
+        return self._pipeline.submit_put_later(keys, payloads)
 
     def submit_get(self, keys: Sequence[StorageKey], dsts: Sequence[Any]) -> int:
         """Load into dsts of the exact payload size; a key's dst is written only if it validates
@@ -159,56 +165,36 @@ class LMCacheStore:
         return self._pipeline.shapes.key_string(key)
 
     def close(self) -> None:
-        """Stop; unfinished tasks are reported as CLOSED. Idempotent."""
+        """Stop; unfinished tasks are reported as CLOSED. Idempotent.
+
+        Once this returns, every view lent to the adapter has been released (`take_released`)
+        unless a replaced adapter is still closing after `_OLD_ADAPTERS_CLOSE_S`: its buffers
+        stay counted in `quarantined_buffers()` and are released when it finishes."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._wake()
-        self._driver.join(timeout=10)
-        self._pipeline.stop_workers()
+        self._pipeline.close_intake()
+        if not self._driver.stop(_DRIVER_STOP_S):
+            log.warning("storage driver still inside an adapter call; closing around it")
+        self._pipeline.stop_workers()  # what they post now runs inline
         if self._health.allow():
             self._pipeline.delete_probe_key(self._health.probe_key, timeout_s=2)
-        self._pipeline.fail_unfinished()
-        self._health.close()
-        self._pipeline.release_pending()  # the adapter's threads are gone
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._driver.exclusive():
+            self._pipeline.fail_unfinished()
+        self._health.close(_OLD_ADAPTERS_CLOSE_S)  # their frees are posted: not under the lock
+        with self._driver.exclusive():
+            self._pipeline.release_pending()  # the adapter's threads are gone
+        self._driver.close()
 
-    # ------------------------------------------------------------------ driver thread
-    def _post(self, fn: Callable[[], None]) -> None:
-        self._inbox.put(fn)
-        self._wake()
+    def _step(self) -> None:
+        """One driver round after the posted work: completions, put hand-off, clocks."""
+        self._pipeline.collect()
+        self._pipeline.dispatch_puts()
+        self._pipeline.expire(time.monotonic())
+        self._health.maintain(time.monotonic())
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass  # pipe full (a wake-up is pending anyway) or closed
 
-    def _run(self) -> None:
-        lower_current_thread(self.cfg.thread_nice)  # background work (tiers.thread_priority)
-        while not self._stop.is_set():
-            try:
-                ready, _, _ = select.select([self._wake_r, *self._health.fds], [], [], _TICK_S)
-            except (OSError, ValueError):
-                ready = []
-            for fd in ready:
-                try:
-                    os.read(fd, 4096 if fd == self._wake_r else 8)
-                except OSError:
-                    pass
-            try:
-                while True:
-                    self._inbox.get_nowait()()
-            except queue.Empty:
-                pass
-            except Exception:
-                log.exception("storage driver step failed")
-            try:
-                self._pipeline.collect()
-                self._pipeline.dispatch_puts()
-                self._pipeline.expire(time.monotonic())
-                self._health.maintain(time.monotonic())
-            except Exception:
-                log.exception("storage driver poll failed")
+if TYPE_CHECKING:
+
+    def _is_a_byte_store(store: LMCacheStore) -> ByteStore:
+        return store  # a type checker proves LMCacheStore satisfies the connector's contract

@@ -11,7 +11,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -29,7 +29,38 @@ def _err(key: str, msg: str) -> ValueError:
     return ValueError(f"{_PREFIX}.{key}: {msg}")
 
 
-@dataclass(frozen=True)
+# Adapter spec keys whose values are secrets (Redis AUTH, cloud credentials): never shown.
+_SECRET_KEYS = ("password", "secret", "token", "credential")
+_REDACTED = "***"
+
+
+def redacted_url(url: Any) -> Any:
+    """``url`` with its password (``scheme://user:pw@host``) replaced by ``***``, for logs,
+    errors and status answers; anything that is not a URL with a password comes back as it is.
+    The user name stays: it tells which account a log line is about."""
+    if not isinstance(url, str) or "@" not in url:
+        return url
+    try:
+        parts = urlsplit(url)
+        has_password = parts.password is not None
+    except ValueError:  # unparseable: hide everything before the host
+        return _REDACTED + "@" + url.rpartition("@")[2]
+    if not has_password:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return parts._replace(netloc=f"{user}:{_REDACTED}@{hostport}").geturl()
+
+
+def redacted_adapter(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """An adapter spec with every secret-looking value replaced by ``***``."""
+    return {
+        k: _REDACTED if any(s in str(k).lower() for s in _SECRET_KEYS) and v else v
+        for k, v in spec.items()
+    }
+
+
+@dataclass(frozen=True, repr=False)
 class StorageConfig:
     """Every tunable of the storage tier, with its default and why.
 
@@ -76,8 +107,8 @@ class StorageConfig:
     io_workers: int = 4
     # Unkeyed integrity check of every object (it catches corruption, not forgery: whoever can
     # write the store can recompute any of these). xxh3_128 runs at ~30 GB/s per core, so
-    # reads stay at I/O speed; blake3 (~4.5 GB/s per core here) reads objects written by
-    # himamba before xxh3_128 was the default; crc32 (~4 GB/s, 32 bits) is the weakest.
+    # reads stay at I/O speed; blake3 (~4.5 GB/s per core here) keeps stores sealed with it
+    # readable; crc32 (~4 GB/s, 32 bits) is the weakest.
     checksum: str = "xxh3_128"
     # Staging buffers kept for reuse: first-touch page faults cost more than the copy itself.
     staging_pool_mb: int = 256
@@ -105,13 +136,30 @@ class StorageConfig:
     # How checkpoint files are fingerprinted: "sampled" (header + start/middle/end of every
     # tensor; milliseconds) or "full" (every byte; for checkpoints edited in place in a few rows).
     weights_fingerprint: str = "sampled"
+    # Environment variable holding the store's password (Redis AUTH): vLLM logs the whole
+    # kv_connector_extra_config at start-up, so a secret written there ends up in its log.
+    password_env: str | None = None
+
+    @property
+    def target(self) -> str:
+        """The store, for logs and status answers: its URL, or its adapter spec, secrets
+        hidden."""
+        if self.url is not None:
+            return str(redacted_url(self.url))
+        return json.dumps(redacted_adapter(self.adapter), sort_keys=True, default=str)
+
+    def __repr__(self) -> str:
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["url"] = redacted_url(self.url)
+        shown["adapter"] = redacted_adapter(self.adapter)
+        return f"StorageConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StorageConfig:
         """Parse the user's `storage` section; raise `ValueError('storage.<key>: ...')`."""
         if not isinstance(d, Mapping):
             raise ValueError(f"{_PREFIX}: expected a mapping, got {type(d).__name__}")
-        known = set(cls.__dataclass_fields__) | {"write_through"}  # older spelling of a policy
+        known = set(cls.__dataclass_fields__) | {"write_through"}  # boolean policy shorthand
         for k in d:
             if k not in known:
                 raise _err(str(k), "unknown key")
@@ -128,11 +176,13 @@ class StorageConfig:
             kw["adapter"] = adapter_spec_from_url(url, io_workers)
         else:
             kw["adapter"] = _adapter_passthrough(adapter)
+        if d.get("password_env") is not None:
+            kw["password_env"], kw["adapter"] = _password_from_env(d["password_env"], kw["adapter"])
         cap = d.get("capacity_gb")
         if cap is not None:
             kw["capacity_gb"] = _float(d, "capacity_gb", 0.0, positive=True)
         policy = d.get("write_policy", cls.write_policy)
-        if "write_through" in d:  # older spelling: true = write_through, false = none
+        if "write_through" in d:  # shorthand: true = write_through, false = none
             if not isinstance(d["write_through"], bool):
                 raise _err("write_through", f"expected true/false, got {d['write_through']!r}")
             if "write_policy" in d:
@@ -213,22 +263,23 @@ def adapter_spec_from_url(url: Any, num_workers: int = 4) -> dict[str, Any]:
         raise _err("url", f"expected a non-empty string, got {url!r}")
     if url.startswith("/"):
         return _fs_spec(url, num_workers)
+    shown = redacted_url(url)  # errors must not echo a password
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
-            raise _err("url", f"file URL must be file:///absolute/path, got {url!r}")
+            raise _err("url", f"file URL must be file:///absolute/path, got {shown!r}")
         path = unquote(parts.path)
         if not path.startswith("/"):
-            raise _err("url", f"file URL needs an absolute path, got {url!r}")
+            raise _err("url", f"file URL needs an absolute path, got {shown!r}")
         return _fs_spec(path, num_workers)
     if scheme == "redis":
         if not parts.hostname:
-            raise _err("url", f"redis URL needs a host, got {url!r}")
+            raise _err("url", f"redis URL needs a host, got {shown!r}")
         try:
             port = parts.port or 6379
         except ValueError as e:
-            raise _err("url", f"bad port in {url!r}") from e
+            raise _err("url", f"bad port in {shown!r}") from e
         db = parts.path.strip("/")
         if db not in ("", "0"):
             # LMCache's native RESP client never sends SELECT: db N would silently be db 0.
@@ -244,7 +295,21 @@ def adapter_spec_from_url(url: Any, num_workers: int = 4) -> dict[str, Any]:
         if parts.password:
             spec["password"] = unquote(parts.password)
         return spec
-    raise _err("url", f"unsupported scheme {parts.scheme or url!r}")
+    raise _err("url", f"unsupported scheme {parts.scheme or shown!r}")
+
+
+def _password_from_env(name: Any, adapter: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The adapter spec with its password read from environment variable ``name``."""
+    if not isinstance(name, str) or not name:
+        raise _err("password_env", f"expected an environment variable name, got {name!r}")
+    if adapter.get("type") in ("fs", "fs_native"):
+        raise _err("password_env", "a file store takes no password")
+    if adapter.get("password"):
+        raise _err("password_env", "the url or adapter already carries a password; give it once")
+    value = os.environ.get(name)
+    if not value:
+        raise _err("password_env", f"environment variable {name} is not set (or is empty)")
+    return name, {**adapter, "password": value}
 
 
 def _fs_spec(path: str, num_workers: int) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from .object_format import INVALID_REASONS, StorageKey
 
 
 class OpKind(str, Enum):
-    """What a task asks of storage. A `str` enum so logs and old comparisons read the same."""
+    """What a task asks of storage (its value names the op in logs and metrics)."""
 
     PUT = "put"
     GET = "get"
@@ -27,8 +27,13 @@ class OpKind(str, Enum):
     DELETE = "delete"
 
 
-class TaskError(str, Enum):
-    """Why a task failed as a whole (its per-key `ok` are then all False)."""
+class TaskError(Enum):
+    """Why a task failed as a whole (its per-key `ok` are then all False).
+
+    Compare by member (`res.error is TaskError.BACKPRESSURE`): a misspelt member raises, where
+    a misspelt string only compares unequal, and as a plain (not `str`) enum a comparison with
+    a string is flagged by type checkers (mypy `--strict-equality`). `str()` gives the value,
+    the word logs print."""
 
     BREAKER_OPEN = "breaker_open"  # storage judged broken: an immediate miss, nothing sent
     BACKPRESSURE = "backpressure"  # put refused: the write buffer is full (`write_buffer_mb`)
@@ -37,6 +42,9 @@ class TaskError(str, Enum):
     ADAPTER_RECREATED = "adapter_recreated"  # its adapter was replaced before it answered
     CLOSED = "closed"  # the store closed first
     CANCELLED = "cancelled"  # the caller gave the get up: nothing is written into it after
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class TaskState(Enum):
@@ -117,9 +125,9 @@ class StoreStats:
 @dataclass(eq=False)
 class Task:
     """One submitted op. A CPU worker registers in `copying` (under `lock`) before it writes a
-    get's destination buffer, and `finish_when_no_copies` waits them out, so a deadline can
+    get's destination buffer, and `wait_no_copies` waits them out, so a deadline can
     never hand a buffer back in the middle of a copy; two workers still copy into one task's
-    buffers at once (one lock held per copy serialised them: issue 9)."""
+    buffers at once (holding the lock for a whole copy would serialise them)."""
 
     id: int
     op: OpKind
@@ -136,6 +144,11 @@ class Task:
 
     def __post_init__(self) -> None:
         self._no_copies = threading.Condition(self.lock)
+
+    @property
+    def finished(self) -> bool:
+        """Reported (or expired): late adapter answers change nothing."""
+        return self.state in (TaskState.DONE, TaskState.EXPIRED)
 
     def start_copy(self) -> list[np.ndarray] | None:
         """The destinations to write, or None if the task is no longer live."""

@@ -15,13 +15,27 @@ storage.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from himamba.connector.observability.metrics import StatsRecorder
 from himamba.connector.protocol import ObjectKind, StoreDone
 from himamba.tiers.transfer import CopyPlan
 from himamba.tiers.transfer_engine import CopyEngine
+
+
+@dataclass(frozen=True)
+class _CallPlan:
+    """A callable dressed as a host copy plan, so the FIFO copy thread runs it in order."""
+
+    fn: Callable[[], None]
+    to_host: bool = True
+    copies: tuple = ()
+    nbytes: int = 0
+    rows: int = 0
+
+    def run_host(self) -> None:
+        self.fn()
 
 
 class CopyFailed(RuntimeError):
@@ -51,6 +65,8 @@ class CopyJobs:
         self._loads: dict[int, _Load] = {}
         # (kind, slot) -> store job filling it, until that store is reaped.
         self._filling: dict[tuple[ObjectKind, int], int] = {}
+        # Storage staging copies queued behind the stores (CPU engine only).
+        self._calls: set[int] = set()
 
     # -- stores ---------------------------------------------------------------------------
     def submit_store(self, plans: Sequence[CopyPlan], done: StoreDone) -> None:
@@ -94,6 +110,24 @@ class CopyJobs:
             out.append(store.done)
         return out
 
+    # -- other work on the copy thread ------------------------------------------------------
+    def submit_call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the copy thread after every copy submitted so far (FIFO): a storage
+        write's copy out of host slots, which a later store into those slots must not pass."""
+        self._calls.add(self.engine.submit([_CallPlan(fn)]))
+
+    def wait_calls(self) -> None:
+        """Wait until every queued call ran (before a slot is lent to the storage adapter)."""
+        if self._calls:
+            self.engine.wait(list(self._calls))
+            self.reap_calls()
+
+    def reap_calls(self) -> None:
+        for r in self.engine.collect(list(self._calls)):
+            self._calls.discard(r.job_id)
+            if not r.ok:
+                raise CopyFailed(f"himamba: a storage staging copy failed: {r.error}")
+
     # -- loads ----------------------------------------------------------------------------
     def submit_load(self, req_id: str, plans: Sequence[CopyPlan]) -> None:
         self._count(plans)
@@ -129,7 +163,11 @@ class CopyJobs:
         return set(self._stores)
 
     def in_flight(self) -> dict[str, int]:
-        return {"stores_in_flight": len(self._stores), "loads_in_flight": len(self._loads)}
+        return {
+            "stores_in_flight": len(self._stores),
+            "loads_in_flight": len(self._loads),
+            "staging_in_flight": len(self._calls),
+        }
 
     def close(self) -> None:
         self.engine.close()

@@ -113,6 +113,11 @@ class WorkerHalf:
     def _attach(self, opener: Callable[[dict[int, HostSlotPool]], WorkerStorage]) -> None:
         assert self.kv_pool is not None and self.mamba is not None
         self.storage = opener({ObjectKind.KV: self.kv_pool, ObjectKind.MAMBA: self.mamba.pool})
+        assert self.copies is not None
+        if not self.copies.engine.overlaps_compute:
+            # On CPU a write's copy into store memory runs on the copy thread, overlapping the
+            # next forward; FIFO order keeps it ahead of any later store into the same slots.
+            self.storage.stage_later = self.copies.submit_call
         if self.record_storage_events:
             self.storage.outcomes = []
 
@@ -166,7 +171,7 @@ class WorkerHalf:
     # -- per step --------------------------------------------------------------
     def fence(self) -> None:
         """Called before vLLM can rewrite any block of this step. On CPU it waits for every
-        store still copying; on a GPU the device already orders them (the compute stream waits
+        store still copying (not for the storage writes they start); on a GPU the device already orders them (the compute stream waits
         for each store's event), so it only hands the completed ones on. Completed stores go on
         to storage."""
         if self.copies is None:
@@ -174,7 +179,8 @@ class WorkerHalf:
         if self.copies.engine.overlaps_compute:
             self._to_storage(self.copies.reap_stores())
         else:
-            self.settle()
+            # The writes these stores start copy on the copy thread, during the forward.
+            self._to_storage(self.copies.wait_stores())
 
     def settle(self) -> None:
         """Wait for every store still copying, on any engine: before host slots are read on
@@ -182,6 +188,8 @@ class WorkerHalf:
         detached or closed, and in an idle step (so the last stores reach storage)."""
         if self.copies is not None:
             self._to_storage(self.copies.wait_stores())
+            # Writes' copies out of host slots: done before a slot is lent to the adapter.
+            self.copies.wait_calls()
 
     def flush_storage(self, timeout_s: float = 30.0) -> bool:  # graceful shutdown, tests
         """Hand every finished copy to storage and wait until storage has written it all."""
@@ -279,6 +287,7 @@ class WorkerHalf:
     def take_results(self) -> tuple[set[str], set[str]]:
         if self.copies is not None:
             self._to_storage(self.copies.reap_stores())  # write-through starts once copied
+            self.copies.reap_calls()
             done, failed = self.copies.reap_loads(wait=not self.copies.engine.overlaps_compute)
             self._finished |= done
             self._failed |= failed

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from himamba.connector.protocol import (
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.object_format import HEADER_SIZE, StorageKey, stored_size
 from himamba.tiers.staging import ObjectView
+from himamba.tiers.storage_records import TaskError
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,9 @@ class WorkerStorage:
         # Metrics: per-op histograms and per-kind counts; submit time of each live store task.
         self.recorder = StatsRecorder()
         self._started: dict[int, float] = {}
+        # Where a put's copy into store memory runs (WorkerHalf: the CPU copy thread, so it
+        # overlaps the forward); None: at submission, on this thread.
+        self.stage_later: Callable[[Callable[[], None]], None] | None = None
         # KV events (connector.kv_events): a list while vLLM publishes them, else None.
         self.outcomes: list[StorageOutcome] | None = None
 
@@ -135,7 +139,13 @@ class WorkerStorage:
             self._dirty.pop((kind, slot), None)
         # The store copies each slot's layer rows into its own staging buffer before returning,
         # so the slot may be overwritten by a later step at once.
-        tid = self.store.submit_put(keys, [pool.slot_payload(s) for s in slots])
+        payloads = [pool.slot_payload(s) for s in slots]
+        if self.stage_later is None:
+            tid = self.store.submit_put(keys, payloads)
+        else:
+            tid, stage = self.store.submit_put_later(keys, payloads)
+            if stage is not None:
+                self.stage_later(stage)
         self._puts[tid] = keys
         self._started[tid] = time.monotonic()
 
@@ -280,9 +290,8 @@ class WorkerStorage:
         for i, key in enumerate(keys):
             ok = res.error is None and i < len(res.ok) and res.ok[i]
             if not ok:
-                kind = (
-                    "storage_puts_skipped" if res.error == "backpressure" else "storage_puts_failed"
-                )
+                skipped = res.error is TaskError.BACKPRESSURE
+                kind = "storage_puts_skipped" if skipped else "storage_puts_failed"
                 self.counters[kind] += 1
                 if self.outcomes is not None:
                     self._outcome(StorageOp.WRITE_FAILED, key)
@@ -338,6 +347,7 @@ class WorkerStorage:
         }
 
     def close(self, flush_timeout_s: float = 5.0) -> None:
+        self.stage_later = None  # the copy thread may be gone: what is left copies here
         # Let writes land first (and, under write_back, write what only the host holds): a
         # graceful restart should find what this instance computed.
         if self._dirty:

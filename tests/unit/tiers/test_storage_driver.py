@@ -1,0 +1,65 @@
+"""The storage driver runs everything posted to it exactly once, across its stop: work posted
+while it stops, or after, runs on the posting thread instead of being dropped."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from himamba.tiers.driver import Driver
+
+
+def test_work_posted_before_during_and_after_stop_runs_exactly_once():
+    runs: list[int] = []  # list.append is atomic: no lock needed to count
+    d = Driver(step=lambda: None, fds=lambda: [])
+    d.start()
+
+    def poster(base: int) -> None:
+        for i in range(300):
+            d.post(lambda n=base + i: runs.append(n))
+            if i % 50 == 0:
+                time.sleep(0.001)
+
+    threads = [threading.Thread(target=poster, args=(k * 1000,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.002)
+    assert d.stop(5)  # races the posters
+    for t in threads:
+        t.join()
+    d.post(lambda: runs.append(-1))  # long after the stop: runs right here
+    d.close()
+    assert sorted(runs) == sorted([-1, *(k * 1000 + i for k in range(4) for i in range(300))])
+
+
+def test_inline_work_after_stop_waits_for_the_closing_threads_exclusive_steps():
+    d = Driver(step=lambda: None, fds=lambda: [])
+    d.start()
+    assert d.stop(5)
+    order: list[str] = []
+    with d.exclusive():
+        t = threading.Thread(target=lambda: d.post(lambda: order.append("posted")))
+        t.start()
+        time.sleep(0.05)
+        order.append("closing step")
+    t.join()
+    d.close()
+    assert order == ["closing step", "posted"]
+
+
+def test_step_runs_on_the_driver_thread_until_stopped():
+    seen: set[str] = set()
+    d = Driver(step=lambda: seen.add(threading.current_thread().name), fds=lambda: [])
+    d.start()
+    time.sleep(0.12)  # a couple of ticks without events
+    assert d.stop(5)
+    d.close()
+    assert seen == {"himamba-l3-driver"}
+
+
+def test_a_driver_never_started_still_runs_what_was_posted_when_stopped():
+    d = Driver(step=lambda: None, fds=lambda: [])
+    ran: list[int] = []
+    d.post(lambda: ran.append(1))
+    assert d.stop(1) and ran == [1]
+    d.close()
