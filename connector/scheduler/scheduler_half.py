@@ -18,7 +18,7 @@ import os
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from himamba.connector.config import HiMambaConfig
 from himamba.connector.layout import HybridLayout
@@ -34,11 +34,20 @@ from himamba.connector.scheduler.generations import StorageGenerations
 from himamba.connector.scheduler.storage_planner import StoragePlanner
 from himamba.connector.tree import HybridRadixTree, LockHandle, MatchResult
 from himamba.mamba_state.state_budget import RequestStates, StateBudget
+from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.storage_config import StorageConfig
 
 # Set (to anything but "0") in tests and debug runs: every step plan is checked for a host
 # slot with two roles (``protocol.plan_conflicts``) and an unsafe plan raises.
 CHECK_PLANS_ENV = "HIMAMBA_CHECK_PLANS"
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from himamba.connector.observability.kv_events import KVEventTracker
+
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +64,12 @@ class _Pending:
 
 @dataclass
 class _Tracked:
-    request: Any
+    request: Request
     states: RequestStates
     next_store_block: int = 0
 
 
-def request_partition(request: Any) -> Hashable:
+def request_partition(request: Request) -> Hashable:
     """Requests in different partitions never share entries (salt / LoRA)."""
     lora = getattr(request, "lora_request", None)
     return (getattr(request, "cache_salt", None), getattr(lora, "lora_int_id", None))
@@ -105,9 +114,9 @@ class SchedulerHalf:
         # collected while the step is scheduled and handed to the plan at its end.
         self._writes: list[StorageWrite] = []
         # KV-cache events for routers (kv_events.KVEventTracker); None unless vLLM publishes.
-        self.events: Any = None
+        self.events: KVEventTracker | None = None
 
-    def new_planner(self, cfg: StorageConfig, store: Any, world_size: int) -> StoragePlanner:
+    def new_planner(self, cfg: StorageConfig, store: ByteStore, world_size: int) -> StoragePlanner:
         """A planner over ``store`` in this scheduler's storage generation (a new planner id;
         the epoch and the fetch-id space carry over)."""
         return StoragePlanner(cfg, store, self.tree, self.counters, self.generations, world_size)
@@ -149,7 +158,7 @@ class SchedulerHalf:
         return True
 
     # -- hashing -----------------------------------------------------------------
-    def block_hashes(self, request: Any) -> list[bytes]:
+    def block_hashes(self, request: Request) -> list[bytes]:
         """One hash per scheduler block (the last hash inside it chains the whole prefix)."""
         hashes = request.block_hashes
         r = self.layout.hashes_per_block
@@ -157,17 +166,17 @@ class SchedulerHalf:
             return list(hashes)
         return [hashes[(i + 1) * r - 1] for i in range(len(hashes) // r)]
 
-    def num_hashed_blocks(self, request: Any) -> int:
+    def num_hashed_blocks(self, request: Request) -> int:
         """How many full scheduler blocks have a hash (no copy of the hash list)."""
         return len(request.block_hashes) // self.layout.hashes_per_block
 
     # -- lookup ------------------------------------------------------------------
-    def _hittable(self, request: Any) -> tuple[list[bytes], int]:
+    def _hittable(self, request: Request) -> tuple[list[bytes], int]:
         """(block hashes, deepest boundary a hit may reach: never the last prompt token)."""
         hashes = self.block_hashes(request)
         return hashes, min(len(hashes), (request.num_tokens - 1) // self.layout.block_size)
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         """Probe storage as soon as the request arrives, so its answer is usually back by the
         request's first lookup (no extra engine step), unless the host already covers it."""
         if self.storage is None:
@@ -179,7 +188,7 @@ class SchedulerHalf:
         if self.tree.match(hashes, part, 0, max_blocks).host_num_blocks < max_blocks:
             self.storage.begin(request.request_id, hashes[:max_blocks], part, request.num_tokens)
 
-    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         self._release_pending(req_id)
         bs = self.layout.block_size
@@ -225,7 +234,9 @@ class SchedulerHalf:
                 self._writes.append(StorageWrite(kind, slot, h))
         return tokens, True
 
-    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         req_id = request.request_id
         if req_id not in self._tracked:
             known = self.tree.depth(self.block_hashes(request), request_partition(request))
@@ -277,7 +288,7 @@ class SchedulerHalf:
         return num_external_tokens - storage, storage
 
     # -- per step ------------------------------------------------------------------
-    def build_plan(self, scheduler_output: Any) -> StepPlan:
+    def build_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
         self.counters["steps"] += 1
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -322,14 +333,14 @@ class SchedulerHalf:
             for h in plan.mamba_stores.hashes:
                 storage.wrote(ObjectKind.MAMBA, h)
 
-    def _computed_before_step(self, scheduler_output: Any) -> dict[str, int]:
+    def _computed_before_step(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         out.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         return out
 
     def _plan_kv_stores(
-        self, plan: StepPlan, so: Any, block_state: Any, finished: set[str]
+        self, plan: StepPlan, so: SchedulerOutput, block_state: Any, finished: set[str]
     ) -> None:
         bs = self.layout.block_size
         computed = self._computed_before_step(so)
@@ -430,7 +441,7 @@ class SchedulerHalf:
                 if req_id in self._tracked:
                     self._no_hits.add(req_id)
 
-    def on_finished(self, request: Any) -> None:
+    def on_finished(self, request: Request) -> None:
         req_id = request.request_id
         self._release_pending(req_id)
         self._tracked.pop(req_id, None)

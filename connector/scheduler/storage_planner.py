@@ -39,13 +39,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from himamba.connector.protocol import FetchAck, FetchItem, FetchOrder, ObjectKind
 from himamba.connector.scheduler.fetch_ledger import FetchLedger, FetchOutcome
 from himamba.connector.scheduler.generations import StorageGenerations
+from himamba.connector.tree import HybridRadixTree, LockHandle
+from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.object_format import StorageKey
 from himamba.tiers.storage_config import StorageConfig, prefetch_deadline_s
+from himamba.tiers.storage_records import TaskResult
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class _Fetch:
     # Cancel the fetch when this request finishes: it was fetched for the request's own wait.
     # Background fetches (best_effort, or a wait that timed out) warm the host for later ones.
     tied_to_request: bool
-    pin: Any  # LockHandle over the fetched path
+    pin: LockHandle  # over the fetched path
     hashes: Sequence[bytes]
     partition: Hashable
     # Block index each item belongs to (KV: its block; Mamba: the last block before its boundary).
@@ -94,8 +96,8 @@ class StoragePlanner:
     def __init__(
         self,
         cfg: StorageConfig,
-        store: Any,
-        tree: Any,
+        store: ByteStore,
+        tree: HybridRadixTree,
         counters: dict,
         generations: StorageGenerations,
         world_size: int = 1,
@@ -237,7 +239,7 @@ class StoragePlanner:
         for res in self.store.poll():
             self._on_probe_answer(res)
 
-    def _on_probe_answer(self, res: Any) -> None:
+    def _on_probe_answer(self, res: TaskResult) -> None:
         req_id = self._probe_owner.pop(res.task_id, None)
         st = None if req_id is None else self._requests.get(req_id)
         if st is None or st.probe_task != res.task_id:

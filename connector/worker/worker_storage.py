@@ -30,10 +30,11 @@ from himamba.connector.protocol import (
     StorageOutcome,
     StorageWrite,
 )
+from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.object_format import HEADER_SIZE, StorageKey, stored_size
 from himamba.tiers.staging import ObjectView
-from himamba.tiers.storage_records import TaskError
+from himamba.tiers.storage_records import TaskError, TaskResult
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class _Get:
 class WorkerStorage:
     def __init__(
         self,
-        store: Any,
+        store: ByteStore,
         pools: dict[int, HostSlotPool],
         rank: int,
         capacity_bytes: int | None,
@@ -250,7 +251,7 @@ class WorkerStorage:
             # Anything else is a task of a cancelled fetch: its buffers are simply dropped.
         self._take_released()  # after the results: a task is reported before its release
 
-    def _observe(self, op: str, started: float | None, res: Any, nbytes: float) -> None:
+    def _observe(self, op: str, started: float | None, res: TaskResult, nbytes: float) -> None:
         # The store's own completion time when it stamps one (monotonic); else now, which for a
         # write finished while the engine idled includes the idle time until the next step.
         if started is not None:
@@ -264,7 +265,7 @@ class WorkerStorage:
         outcome = StorageOutcome(op, self.rank, int(key.kind), key.block_hash, key.cache_salt)
         self.outcomes.append(outcome)
 
-    def _finish_get(self, get: _Get, res: Any) -> None:
+    def _finish_get(self, get: _Get, res: TaskResult) -> None:
         oks: list[bool] = []
         for i, item in enumerate(get.order.items):
             ok = res.error is None and i < len(res.ok) and bool(res.ok[i])
@@ -286,7 +287,7 @@ class WorkerStorage:
         return acks
 
     # -- puts and capacity ---------------------------------------------------------------
-    def _finish_put(self, keys: list[StorageKey], res: Any) -> None:
+    def _finish_put(self, keys: list[StorageKey], res: TaskResult) -> None:
         for i, key in enumerate(keys):
             ok = res.error is None and i < len(res.ok) and res.ok[i]
             if not ok:
