@@ -76,6 +76,18 @@ class Generation:
     planner: int = 0
 
 
+def key_salt(epoch: str, lora_tag: str = "") -> str:
+    """The salt field of a storage key: the generation's epoch, and for a LoRA request the tag
+    of its adapter's weights (vLLM's block hashes name the adapter, not its weights, so two
+    instances sharing storage would otherwise read each other's KV across adapter versions)."""
+    return f"{epoch}+{lora_tag}" if lora_tag else epoch
+
+
+def salt_epoch(salt: str) -> str:
+    """The epoch part of a key salt (see ``key_salt``)."""
+    return salt.split("+", 1)[0]
+
+
 # -- storage -> host fetches ---------------------------------------------------------------
 
 
@@ -95,6 +107,7 @@ class FetchOrder:
     fetch_id: int
     items: tuple[FetchItem, ...]
     generation: Generation = Generation()
+    lora_tag: str = ""  # the request's adapter weights (``key_salt``); "" without LoRA
 
 
 @dataclass(frozen=True)
@@ -135,14 +148,18 @@ class StoreBatch:
     slots: list[int] = field(default_factory=list)
     # Per group (layout order) one device block id per slot.
     blocks: list[list[int]] = field(default_factory=list)
-    # The block hash naming each slot's content (its storage key).
+    # The block hash naming each slot's content (its storage key), and its LoRA tag.
     hashes: list[bytes] = field(default_factory=list)
+    lora_tags: list[str] = field(default_factory=list)
 
-    def add(self, slot: int, group_blocks: list[int], block_hash: bytes) -> None:
+    def add(
+        self, slot: int, group_blocks: list[int], block_hash: bytes, lora_tag: str = ""
+    ) -> None:
         if not self.blocks:
             self.blocks = [[] for _ in group_blocks]
         self.slots.append(slot)
         self.hashes.append(block_hash)
+        self.lora_tags.append(lora_tag)
         for column, block in zip(self.blocks, group_blocks, strict=True):
             column.append(block)
 
@@ -158,6 +175,7 @@ class StorageWrite:
     kind: ObjectKind
     slot: int
     block_hash: bytes
+    lora_tag: str = ""
 
 
 @dataclass
@@ -196,6 +214,7 @@ class StoredBatch:
     kind: ObjectKind
     slots: tuple[int, ...]
     hashes: tuple[bytes, ...]
+    lora_tags: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from unit.tree.tree_helpers import evict_device, hit_count
 
 from himamba.connector.tree import GPU, NO_SLOT, HybridRadixTree, check_invariants
 
@@ -98,7 +99,7 @@ def test_locked_hit_survives_eviction_pressure_and_is_freed_after_unlock() -> No
     tree = HybridRadixTree(4, 1)
     h = chain("abcd")
     store(tree, h, states=(4,))
-    tree.evict_device(h, None)  # host is now the only tier
+    evict_device(tree, h, None)  # host is now the only tier
     res = tree.match(h)
     handle = tree.lock(res)
     assert handle is not None
@@ -120,7 +121,7 @@ def test_state_whose_prefix_died_while_locked_is_dropped_at_unlock() -> None:
     store(tree, h, states=(2, 4))
     res = tree.match(h, start_block=2)
     handle = tree.lock(res)
-    tree.evict_device(h, None, 0, 2)  # blocks 0,1 keep their host copy: still alive
+    evict_device(tree, h, None, 0, 2)  # blocks 0,1 keep their host copy: still alive
     tree.evict_host(8)  # "ab" is not locked by a load starting at 2? it is: path lock
     check_invariants(tree)
     assert tree.match(h, start_block=2).num_blocks == 4
@@ -133,8 +134,8 @@ def test_cascade_drops_unlocked_states_below_but_keeps_locked_ones() -> None:
     a, b = chain("pab"), chain("pcd")
     store(tree, a, states=(3,))
     store(tree, b, states=(3,))
-    tree.evict_device(a, None)
-    tree.evict_device(b, None)
+    evict_device(tree, a, None)
+    evict_device(tree, b, None)
     handle = tree.lock(tree.match(b))
     tree.evict_storage(a, None)  # no-op tier, nothing changes
     tree.evict_host(16)
@@ -185,7 +186,7 @@ def test_store_of_a_block_whose_prefix_is_gpu_only_marks_the_prefix_gpu() -> Non
     tree.complete_store([slot])
     node = tree.forest.locate(h, None, 3)[0]
     assert list(node.flags[:2]) == [GPU, GPU]
-    tree.evict_device(h, None, 0, 1)  # block 0 lost everywhere: block 2's host copy is dead
+    evict_device(tree, h, None, 0, 1)  # block 0 lost everywhere: block 2's host copy is dead
     assert tree.stats()["host_kv_used"] == 0 and tree.stats()["nodes"] == 0
     check_invariants(tree)
 
@@ -226,7 +227,7 @@ def test_split_of_a_locked_node_keeps_the_lock_on_both_halves() -> None:
     store(tree, h, states=(4,))
     handle = tree.lock(tree.match(h))
     store(tree, chain("abzz"), states=(2,))  # splits the locked node after "ab"
-    tree.evict_device(h, None)
+    evict_device(tree, h, None)
     assert tree.evict_host(8) >= 2  # only the unlocked "zz" branch may go
     assert tree.match(h).num_blocks == 4
     tree.unlock(handle)
@@ -239,8 +240,8 @@ def test_hit_counts_grow_with_loads_not_lookups_for_selective_write_through() ->
     store(tree, h, states=(3,))
     for _ in range(3):
         tree.match(h)  # a lookup alone is no use of the prefix
-    assert tree.hit_count(h, None, 1) == 0
+    assert hit_count(tree, h, None, 1) == 0
     for _ in range(3):
         tree.unlock(tree.lock(tree.match(h)))
-    assert tree.hit_count(h, None, 1) == 3
-    assert tree.hit_count(chain("q"), None, 0) == 0
+    assert hit_count(tree, h, None, 1) == 3
+    assert hit_count(tree, chain("q"), None, 0) == 0

@@ -1,9 +1,11 @@
 """Stateful property test: random insert / match / lock / pin / unlock / evict / mark / complete
-sequences on tiny pools, with and without a node budget, every invariant checked after every
-step, plus oracles the checker cannot see alone: a match is exactly the deepest hybrid
-boundary (and lists every boundary below it), locked and pinned data never moves, host
-eviction frees exactly the blocks asked for, and a storage mark with states reaches every
-block and state it names."""
+/ seal sequences on tiny pools, with and without a node budget and a write-back policy, every
+invariant checked after every step, plus oracles the checker cannot see alone: a match is
+exactly the deepest hybrid boundary (and lists every boundary below it), locked and pinned
+data never moves, host eviction frees exactly the blocks asked for, a storage mark with states
+reaches every block and state it names, a store run never evicts its own request's host
+blocks, a quarantined slot stays out of use until the plan is sealed, and the free journal
+names every slot that left the tree (and, over a run, exactly as many as were allocated)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from unit.tree.tree_helpers import evict_device
 
 from himamba.connector.tree import (
     HOST,
     LOADABLE,
     NO_SLOT,
+    PENDING,
     STORAGE,
     HybridRadixTree,
     LockHandle,
@@ -76,6 +80,19 @@ def _state(tree: HybridRadixTree, hashes: list[bytes], part: object, n: int) -> 
     return found[0].mamba
 
 
+def _slots_in_use(tree: HybridRadixTree) -> tuple[set[int], set[int]]:
+    """Host KV and Mamba slots that some node holds (committed or pending)."""
+    kv: set[int] = set()
+    mamba: set[int] = set()
+    for x in tree.iter_nodes():
+        for i, f in enumerate(x.flags):
+            if f & (HOST | PENDING):
+                kv.add(x.slot(i))
+        if x.mamba & (HOST | PENDING):
+            mamba.add(x.mamba_slot)
+    return kv, mamba
+
+
 Locked = tuple[LockHandle, list[bytes], object, int, int, list[int], int]
 
 
@@ -89,11 +106,35 @@ class TreeMachine(RuleBasedStateMachine):
         self.mamba_pending: list[int] = []
         # handle -> (hashes, partition, start, n, slots, mamba slot) as seen at lock time
         self.locked: list[Locked] = []
+        # Free-journal oracle: slots in use after the last step, allocations and journal
+        # entries over the run, and the quarantine as of the last step (same plan unless sealed).
+        self.in_use: tuple[set[int], set[int]] = (set(), set())
+        self.allocated = [0, 0]
+        self.journaled = [0, 0]
+        self.quarantined: tuple[set[int], set[int]] = (set(), set())
+        self.sealed = False
+        # Slots written back since the last seal: the worker reads them in this plan.
+        self.written: tuple[set[int], set[int]] = (set(), set())
+        self.write_all = False
 
-    @initialize(budget=st.sampled_from([None, 4, 10]))
-    def make_tree(self, budget) -> None:
-        """Half the runs have a node budget small enough to trim on most steps."""
+    @initialize(
+        budget=st.sampled_from([None, 4, 10]), write_back=st.sampled_from([None, "some", "all"])
+    )
+    def make_tree(self, budget, write_back) -> None:
+        """Half the runs have a node budget small enough to trim on most steps; two thirds
+        write victims back (their slots are quarantined until a seal)."""
         self.tree = HybridRadixTree(KV_SLOTS, MAMBA_SLOTS, max_nodes=budget)
+        self.tree.journal_frees = True
+        if write_back is not None:
+            self.write_all = write_back == "all"
+            self.tree.write_back = self._write_back
+
+    def _write_back(self, is_state: bool, slot: int, block_hash: bytes, partition: object) -> bool:
+        """All victims, or about half of them (deterministic), go to storage first."""
+        if self.write_all or (slot + block_hash[0]) % 2 == 0:
+            self.written[is_state].add(slot)
+            return True
+        return False
 
     def _req(self, req: tuple[object, list[int]]) -> tuple[list[bytes], object]:
         part, tokens = req
@@ -134,7 +175,7 @@ class TreeMachine(RuleBasedStateMachine):
                 assert (s != NO_SLOT) == bool(f & HOST)
             assert res.host_num_blocks <= res.num_blocks
             if take:  # lock 3 hits out of 4: loads in flight are the hard part
-                h = self.tree.lock(res)
+                h = self.tree.lock(res, count_hit=take != 2)  # some are a request's retry
                 assert h is not None and not h.pinned
                 self.locked.append((h, hashes, part, start, want, res.kv_slots, res.mamba_slot))
 
@@ -172,6 +213,22 @@ class TreeMachine(RuleBasedStateMachine):
         slot = self.tree.reserve_kv(hashes, part, min(i, len(hashes) - 1), from_device=dev)
         if slot is not None:
             self.kv_pending.append(slot)
+            self.allocated[0] += 1
+
+    @rule(req=requests, a=st.integers(0, MAX_LEN - 1), b=st.integers(1, MAX_LEN))
+    def reserve_kv_run(self, req, a, b) -> None:
+        """A request stores a run of its blocks: its host blocks stay put while it does."""
+        hashes, part = self._req(req)
+        end = min(max(a + 1, b), len(hashes))
+        start = min(a, end - 1)
+        tree = self.tree
+        before = [i for i in range(end) if _block(tree, hashes, part, i) & HOST]
+        got = tree.reserve_kv_run(hashes, part, start, end)
+        self.kv_pending += [s for _, s in got]
+        self.allocated[0] += len(got)
+        for i in before:
+            assert _block(tree, hashes, part, i) & HOST, ("own block evicted", i, before)
+        assert all(start <= i < end for i, _ in got)
 
     @rule(target=stored, req=requests, mid=st.integers(1, MAX_LEN), ok=st.integers(0, 5))
     def store_request(self, req, mid, ok):
@@ -185,6 +242,8 @@ class TreeMachine(RuleBasedStateMachine):
         self.tree.complete_store(
             [s for s in kv if s is not None], [s for s in mb if s is not None], ok=ok != 0
         )
+        self.allocated[0] += sum(s is not None for s in kv)
+        self.allocated[1] += sum(s is not None for s in mb)
         return req
 
     @rule(req=requests, n=st.integers(1, MAX_LEN), dev=st.booleans())
@@ -193,6 +252,7 @@ class TreeMachine(RuleBasedStateMachine):
         slot = self.tree.reserve_mamba(hashes, part, min(n, len(hashes)), from_device=dev)
         if slot is not None:
             self.mamba_pending.append(slot)
+            self.allocated[1] += 1
 
     @precondition(lambda self: self.kv_pending or self.mamba_pending)
     @rule(k=st.integers(1, 4), ok=st.integers(0, 3))
@@ -251,17 +311,47 @@ class TreeMachine(RuleBasedStateMachine):
         if storage:
             self.tree.evict_storage(hashes, part, a, b)
         else:
-            self.tree.evict_device(hashes, part, a, b)
+            evict_device(self.tree, hashes, part, a, b)
 
     @rule(go=st.integers(0, 30))
     def reset(self, go) -> None:
         if go == 0:
             self.tree.reset()
 
+    @rule()
+    def seal_plan(self) -> None:
+        """The scheduler sealed a step plan: its write-back victims' slots are free now."""
+        self.tree.seal_plan()
+        assert self.tree.stats()["host_kv_quarantined"] == 0
+        assert self.tree.stats()["host_mamba_quarantined"] == 0
+        self.sealed = True
+        self.written = (set(), set())
+
+    def _check_journal_and_quarantine(self) -> None:
+        """Every slot that left the tree since the last step is journaled; a quarantined
+        slot stays quarantined (and so unused) until the plan is sealed."""
+        tree = self.tree
+        now = _slots_in_use(tree)
+        freed = tree.take_freed()
+        quarantined = (
+            set(tree.kv_slots.quarantined_slots()),
+            set(tree.mamba_slots.quarantined_slots()),
+        )
+        for k in (0, 1):
+            gone = self.in_use[k] - now[k]
+            assert gone <= set(freed[k]), ("freed slot not journaled", k, gone, freed[k])
+            self.journaled[k] += len(freed[k])
+            if not self.sealed:
+                assert self.quarantined[k] <= quarantined[k], ("quarantine left early", k)
+            assert not quarantined[k] & now[k], ("quarantined slot in use", k)
+            assert not self.written[k] & now[k], ("written-back slot reused in its plan", k)
+        self.in_use, self.quarantined, self.sealed = now, quarantined, False
+
     @invariant()
     def holds(self) -> None:
         STEPS["n"] += 1
         check_invariants(self.tree)
+        self._check_journal_and_quarantine()
         for _h, hashes, part, start, n, slots, mslot in self.locked:
             for j, s in enumerate(slots):
                 if s != NO_SLOT:  # locked / pinned host KV stays exactly where it was
@@ -278,8 +368,13 @@ class TreeMachine(RuleBasedStateMachine):
         check_invariants(self.tree)
         self.tree.reset()
         check_invariants(self.tree)
+        self._check_journal_and_quarantine()
+        # Every slot ever allocated has left the tree now, each journaled exactly once.
+        assert self.journaled == self.allocated, (self.journaled, self.allocated)
+        self.tree.seal_plan()
         st_ = self.tree.stats()
         assert st_["host_kv_used"] == 0 and st_["host_mamba_used"] == 0, st_
+        assert st_["host_kv_free"] == KV_SLOTS and st_["host_mamba_free"] == MAMBA_SLOTS, st_
         assert st_["nodes"] == 0 and st_["locks"] == 0 and st_["pending_stores"] == 0
 
 

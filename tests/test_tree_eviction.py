@@ -4,6 +4,7 @@ least recently used conversation, and metadata-only nodes beyond the node budget
 from __future__ import annotations
 
 from test_radix_tree import chain, store
+from unit.tree.tree_helpers import evict_device, host_blocks
 
 from himamba.connector.tree import NO_SLOT, HybridRadixTree, check_invariants
 
@@ -11,7 +12,7 @@ from himamba.connector.tree import NO_SLOT, HybridRadixTree, check_invariants
 def host_only(tree: HybridRadixTree, *convs: list[bytes]) -> None:
     """vLLM dropped their GPU copies: the host copy is the only tier left."""
     for hashes in convs:
-        tree.evict_device(hashes, None)
+        evict_device(tree, hashes, None)
 
 
 # ---------------------------------------------------------------- per-block host eviction
@@ -157,15 +158,17 @@ def test_a_run_of_stores_reserves_in_one_walk_and_never_cuts_its_own_prefix() ->
     assert [i for i, _ in got] == [0, 1, 2, 3]
     tree.complete_store([s for _, s in got], [])
     store(tree, b)  # the pool is full now
-    # Blocks 4..7 need 4 slots: eviction takes a's tail host block first (a's node is the
-    # LRU leaf), then b's two; a's node, holding pending stores now, is not evictable, so the
-    # run stops at block 7. a's evicted block stays alive on the GPU (the request holds it),
-    # so no hole cuts the new blocks off their prefix.
+    # Blocks 4..7 need 4 slots: a's own path is held for the run, so only b's two blocks
+    # are victims (although a's node is the LRU leaf) and the run stops at block 6. Blocks
+    # 6 and 7 are marked GPU (the request holds them), so no hole cuts the path.
     more = tree.reserve_kv_run(a, None, 4, 8)
-    assert [i for i, _ in more] == [4, 5, 6]
+    assert [i for i, _ in more] == [4, 5]
     tree.complete_store([s for _, s in more], [])
     check_invariants(tree)
-    assert tree.depth(a, None) == 8
+    assert tree.depth(a, None) == 8 and host_blocks(tree, b, None) == []
     assert all(f for x in tree.iter_nodes() if x.hashes[0] == a[0] for f in x.flags)
-    # The next run re-stores what left the host first (block 3), as far as slots allow.
-    assert [i for i, _ in tree.reserve_kv_run(a, None, 0, 8)] == [3]
+    assert host_blocks(tree, a, None) == [0, 1, 2, 3, 4, 5]
+    # Nothing but a's own blocks is left to evict: the next run stores nothing.
+    assert tree.reserve_kv_run(a, None, 0, 8) == []
+    assert host_blocks(tree, a, None) == [0, 1, 2, 3, 4, 5]
+    check_invariants(tree)

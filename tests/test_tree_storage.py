@@ -8,6 +8,7 @@ import time
 
 import pytest
 from test_radix_tree import chain, store
+from unit.tree.tree_helpers import evict_device
 
 from himamba.connector.tree import NO_SLOT, HybridRadixTree, check_invariants
 
@@ -20,7 +21,7 @@ def _build(existing: str, n: int) -> tuple[HybridRadixTree, list]:
         tree.mark_device(h, None, n)
     elif existing == "host_write_through":
         store(tree, h)
-        tree.evict_device(h, None)
+        evict_device(tree, h, None)
         slot = tree.reserve_kv(h, None, n - 1, from_device=False)  # already on host: None
         assert slot is None
     return tree, h
@@ -87,7 +88,7 @@ def test_probe_answer_cutting_several_host_nodes_keeps_all_pieces_evictable() ->
     tree = HybridRadixTree(8, 8)
     h = chain("abcdef")
     store(tree, h, states=(3, 6))
-    tree.evict_device(h, None)
+    evict_device(tree, h, None)
     tree.mark_storage(h, None, 6, state_ends=[1, 4])  # cuts inside both host nodes
     check_invariants(tree)  # every new piece holds host KV: each is in the host LRU
     assert tree.match(h).boundaries == [(1, False), (3, True), (4, False), (6, True)]
@@ -116,7 +117,7 @@ def _prefetch_setup() -> tuple[HybridRadixTree, list[bytes]]:
     tree = HybridRadixTree(8, 8)
     h = chain("abcdefghijklmnop")
     store(tree, h[:6], states=(3, 6))
-    tree.evict_device(h, None)  # the host copy is all this node has besides storage
+    evict_device(tree, h, None)  # the host copy is all this node has besides storage
     tree.mark_storage(h, None, 16, state_ends=[3, 6, 10, 16])
     return tree, h
 
@@ -167,8 +168,8 @@ def test_pin_covers_the_node_of_the_last_block_and_its_ancestors_only() -> None:
     trunk, branch = chain("abcdef"), chain("abcxyz")
     store(tree, trunk, states=(3, 6))
     store(tree, branch, states=(6,))
-    tree.evict_device(trunk, None)
-    tree.evict_device(branch, None)
+    evict_device(tree, trunk, None)
+    evict_device(tree, branch, None)
     pin = tree.pin(trunk, None, 5)  # block 4 lives in the node "def": it and "abc" are pinned
     assert pin.mamba_node is None  # no state ends at 5
     assert tree.evict_host(16) == 3  # only the unpinned branch "xyz" could go

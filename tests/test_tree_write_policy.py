@@ -59,7 +59,7 @@ def test_hot_objects_are_the_host_hit_walked_often_enough_and_only_once() -> Non
 def test_write_back_keeps_an_evicted_block_as_a_storage_entry() -> None:
     tree = HybridRadixTree(4, 4)
     written: list[tuple[bool, int, bytes]] = []
-    tree.write_back = lambda is_state, slot, h: written.append((is_state, slot, h)) or True
+    tree.write_back = lambda is_state, slot, h, part: written.append((is_state, slot, h)) or True
     a = chain("abcd", salt="a")
     store(tree, a, states=(4,))
     store(tree, chain("efgh", salt="b"), states=(4,))  # evicts a's blocks one by one
@@ -78,7 +78,22 @@ def test_state_budget_keeps_prompt_end_junction_checkpoints_and_latest_decode_st
     # Prefill: only the junction and the prompt end (512 is no checkpoint).
     assert [budget.decide(book, b) for b in (256, 512, 896)] == [(True, 0), (False, 0), (True, 0)]
     # Decode: each new boundary replaces the previous one, except checkpoints, which stay.
-    assert budget.decide(book, 1024) == (True, 0)
-    assert budget.decide(book, 1152) == (True, 0)  # 1024 is a checkpoint: not replaced
-    assert budget.decide(book, 1280) == (True, 1152)
-    assert budget.decide(book, 1408) == (True, 1280)
+    expected = {1024: (True, 0), 1152: (True, 0), 1280: (True, 1152), 1408: (True, 1280)}
+    for boundary, decision in expected.items():  # 1024 is a checkpoint: not replaced
+        assert budget.decide(book, boundary) == decision
+        budget.stored(book, boundary)
+
+
+def test_state_budget_book_moves_only_when_a_state_was_stored() -> None:
+    budget = StateBudget(block_size=128, interval_tokens=4096)
+    book = budget.open(num_prompt_tokens=300, known_blocks=0)  # prompt end 256
+    assert budget.decide(book, 384) == (True, 0)
+    budget.stored(book, 384)
+    # No slot for 512: nothing stored, so 640 must still replace 384 (not orphan it).
+    assert budget.decide(book, 512) == (True, 384)
+    assert budget.decide(book, 640) == (True, 384)
+    budget.stored(book, 640)
+    # A replay after preemption crosses 384 and 512 again: nothing to store or replace.
+    assert budget.decide(book, 384) == (False, 0)
+    assert budget.decide(book, 512) == (False, 0)
+    assert book.last_decode == 640

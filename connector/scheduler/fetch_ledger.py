@@ -62,10 +62,11 @@ class FetchLedger:
             0,
         )  # fmt: skip
 
-    def open(self, items: list[FetchItem], expires: float) -> int:
+    def open(self, items: list[FetchItem], expires: float, lora_tag: str = "") -> int:
         """Record a new fetch and queue its order for the next plan; returns its id."""
         fid = self._generations.next_fetch_id()
-        order = FetchOrder(fid, tuple(items), Generation(self._generations.epoch, self.planner))
+        generation = Generation(self._generations.epoch, self.planner)
+        order = FetchOrder(fid, tuple(items), generation, lora_tag)
         self._open[fid] = _Open(order, expires)
         self._orders.append(order)
         return fid

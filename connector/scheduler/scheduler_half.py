@@ -31,6 +31,7 @@ from himamba.connector.protocol import (
     check_plan,
 )
 from himamba.connector.scheduler.generations import StorageGenerations
+from himamba.connector.scheduler.lora_identity import LoraTags
 from himamba.connector.scheduler.storage_planner import StoragePlanner
 from himamba.connector.tree import HybridRadixTree, LockHandle, MatchResult
 from himamba.mamba_state.state_budget import RequestStates, StateBudget
@@ -66,6 +67,7 @@ class _Pending:
 class _Tracked:
     request: Request
     states: RequestStates
+    lora_tag: str = ""
     next_store_block: int = 0
 
 
@@ -94,6 +96,7 @@ class SchedulerHalf:
         )
         self.counters: dict[str, int] = defaultdict(int)
         self.generations = StorageGenerations()
+        self.lora = LoraTags()
         self.storage = storage
         self._tracked: dict[str, _Tracked] = {}
         self._pending: dict[str, _Pending] = {}
@@ -151,10 +154,13 @@ class SchedulerHalf:
             logger.warning("himamba: closing the probe store failed: %s", exc)
         return True
 
-    def _write_back(self, is_state: bool, slot: int, block_hash: bytes) -> bool:
+    def _write_back(
+        self, is_state: bool, slot: int, block_hash: bytes, partition: Hashable = None
+    ) -> bool:
         # The tree quarantines the slot until this plan is sealed: the worker reads it first.
         kind = ObjectKind.MAMBA if is_state else ObjectKind.KV
-        self._writes.append(StorageWrite(kind, slot, block_hash))
+        lora_id = partition[1] if isinstance(partition, tuple) else None
+        self._writes.append(StorageWrite(kind, slot, block_hash, self.lora.tag_of_id(lora_id)))
         return True
 
     # -- hashing -----------------------------------------------------------------
@@ -186,7 +192,10 @@ class SchedulerHalf:
             return
         part = request_partition(request)
         if self.tree.match(hashes, part, 0, max_blocks).host_num_blocks < max_blocks:
-            self.storage.begin(request.request_id, hashes[:max_blocks], part, request.num_tokens)
+            tag = self.lora.tag(request.lora_request)
+            self.storage.begin(
+                request.request_id, hashes[:max_blocks], part, request.num_tokens, tag
+            )
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
@@ -206,14 +215,16 @@ class SchedulerHalf:
         storage = self.storage
         if storage is not None and result.host_num_blocks < max_blocks:
             if not storage.known(req_id):
-                storage.begin(req_id, hashes[:max_blocks], part, request.num_tokens)
+                tag = self.lora.tag(request.lora_request)
+                storage.begin(req_id, hashes[:max_blocks], part, request.num_tokens, tag)
             if storage.must_wait(req_id, start, max_blocks):
                 return None, False
             result = self.tree.match(hashes, part, start, max_blocks)
-        return self._promise(req_id, result, start)
+        return self._promise(request, result, start)
 
-    def _promise(self, req_id: str, result: MatchResult, start: int) -> tuple[int, bool]:
+    def _promise(self, request: Request, result: MatchResult, start: int) -> tuple[int, bool]:
         """Promise the host-resident part of ``result`` (storage parts are fetched first)."""
+        req_id = request.request_id
         num_blocks = result.host_num_blocks
         tokens = (num_blocks - start) * self.layout.block_size
         if num_blocks <= start or tokens < max(self.config.min_load_tokens, 1):
@@ -231,7 +242,8 @@ class SchedulerHalf:
             # Written while this hit's lock keeps the slots: popular prefixes reach storage.
             for is_state, slot, h in self.tree.hot_objects(result, storage.cfg.write_threshold):
                 kind = ObjectKind.MAMBA if is_state else ObjectKind.KV
-                self._writes.append(StorageWrite(kind, slot, h))
+                tag = self.lora.tag(request.lora_request)
+                self._writes.append(StorageWrite(kind, slot, h, tag))
         return tokens, True
 
     def after_alloc(
@@ -241,7 +253,8 @@ class SchedulerHalf:
         if req_id not in self._tracked:
             known = self.tree.depth(self.block_hashes(request), request_partition(request))
             states = self.budget.open(request.num_prompt_tokens, known)
-            self._tracked[req_id] = _Tracked(request, states)
+            tag = self.lora.tag(request.lora_request)
+            self._tracked[req_id] = _Tracked(request, states, lora_tag=tag)
         pending = self._pending.pop(req_id, None)
         if num_external_tokens == 0:
             if pending is not None:
@@ -364,18 +377,26 @@ class SchedulerHalf:
             attention = [block_ids[g.group_id] for g in self.layout.attention]
             rolled_back = []
             events = self.events
-            for i, slot in self.tree.reserve_kv_run(hashes, part, tracked.next_store_block, full):
+            failures = self.tree.counters["alloc_failures"]
+            start = tracked.next_store_block
+            run = self.tree.reserve_kv_run(hashes, part, start, full)
+            for i, slot in run:
                 group_blocks = [row[i] for row in attention]
                 if any(b == 0 for b in group_blocks):  # no device block to copy from
                     rolled_back.append(slot)
                     continue
-                plan.kv_stores.add(slot, group_blocks, hashes[i])
+                plan.kv_stores.add(slot, group_blocks, hashes[i], tracked.lora_tag)
                 self.counters["kv_blocks_stored"] += 1
                 if events is not None:
                     events.planned_kv(request, i, hashes[i])
             if rolled_back:
                 self.tree.complete_store(rolled_back, [], ok=False)
-            tracked.next_store_block = full
+            if self.tree.counters["alloc_failures"] == failures:
+                tracked.next_store_block = full
+            else:
+                # The tier had no room past the last reserved block: try the rest next step
+                # rather than skip it for good.
+                tracked.next_store_block = run[-1][0] + 1 if run else start
 
     def _plan_mamba_stores(
         self, plan: StepPlan, offloads: dict[str, list[tuple[int, int, int]]]
@@ -410,7 +431,8 @@ class SchedulerHalf:
                 slot = self.tree.reserve_mamba(hashes, part, n)
                 if slot is None:
                     continue  # nothing stored: the budget's book stays as it was
-                plan.mamba_stores.add(slot, [per_group[g] for g in mamba_groups], hashes[n - 1])
+                blocks = [per_group[g] for g in mamba_groups]
+                plan.mamba_stores.add(slot, blocks, hashes[n - 1], tracked.lora_tag)
                 self.counters["mamba_states_stored"] += 1
                 self.budget.stored(tracked.states, boundary)
                 if self.events is not None:

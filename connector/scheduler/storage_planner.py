@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from himamba.connector.protocol import FetchAck, FetchItem, FetchOrder, ObjectKind
+from himamba.connector.protocol import FetchAck, FetchItem, FetchOrder, ObjectKind, key_salt
 from himamba.connector.scheduler.fetch_ledger import FetchLedger, FetchOutcome
 from himamba.connector.scheduler.generations import StorageGenerations
 from himamba.connector.tree import HybridRadixTree, LockHandle
@@ -69,6 +69,7 @@ class _Request:
     partition: Hashable
     deadline: float  # monotonic; fixed when the request is first seen
     waits: bool  # False for best_effort, and once a wait timed out
+    lora_tag: str = ""  # its adapter's weights (protocol.key_salt)
     phase: Phase = Phase.PROBING
     probe_task: int | None = None
     fetch_id: int | None = None
@@ -124,15 +125,23 @@ class StoragePlanner:
         return self.generations.epoch
 
     # -- request life cycle ------------------------------------------------------------
-    def begin(self, req_id: str, hashes: list[bytes], partition: Hashable, num_tokens: int) -> None:
+    def begin(
+        self,
+        req_id: str,
+        hashes: list[bytes],
+        partition: Hashable,
+        num_tokens: int,
+        lora_tag: str = "",
+    ) -> None:
         """Start the request's probe now (idempotent)."""
         if req_id in self._requests or not hashes:
             return
         wait = prefetch_deadline_s(self.cfg, num_tokens)
         deadline = time.monotonic() + (wait if math.isfinite(wait) else 3600.0)
-        st = _Request(list(hashes), partition, deadline, waits=wait > 0)
-        keys = [StorageKey(h, ObjectKind.KV, self.epoch) for h in hashes]
-        keys += [StorageKey(h, ObjectKind.MAMBA, self.epoch) for h in hashes]
+        st = _Request(list(hashes), partition, deadline, waits=wait > 0, lora_tag=lora_tag)
+        salt = key_salt(self.epoch, lora_tag)
+        keys = [StorageKey(h, ObjectKind.KV, salt) for h in hashes]
+        keys += [StorageKey(h, ObjectKind.MAMBA, salt) for h in hashes]
         st.probe_task = self.store.submit_exists(keys)
         self._probe_owner[st.probe_task] = req_id
         self._requests[req_id] = st
@@ -327,7 +336,7 @@ class StoragePlanner:
         # are due within a few deadlines; later, a rank died or an acknowledgement was lost, and
         # the fetch is given up (cancelled, its slots reclaimed).
         expires = time.monotonic() + 3 * self.cfg.op_deadline_s
-        fid = self.ledger.open(items, expires)
+        fid = self.ledger.open(items, expires, st.lora_tag)
         self._fetches[fid] = _Fetch(req_id, st.waits, pin, hashes, part, indexes, len(keep))
         st.fetch_id = fid
         self.counters["storage_fetches"] += 1

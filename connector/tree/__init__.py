@@ -2,8 +2,10 @@
 
 ``tree.HybridRadixTree`` is the contract (what a caller may do and what it costs); the other
 modules are its parts, one concern each: ``node`` (a run of blocks and its tier bits),
-``forest`` (the shape), ``eviction`` (who goes next), ``maintenance`` (invariants P and B),
-``slot_allocator`` (host slot indices), ``results`` (match results and lock handles) and ``invariants`` (the checker the tests run).
+``forest`` (the shape), ``eviction`` (who goes next), ``host_eviction`` (freeing host slots),
+``reservations`` (stores: reserve, commit, roll back), ``maintenance`` (invariants P and B),
+``slot_allocator`` (host slot indices, quarantine, free journal), ``results`` (match results
+and lock handles) and ``invariants`` (the checker the tests run).
 """
 
 from .invariants import check_invariants

@@ -4,7 +4,12 @@ Why its own object: every freed slot must do the same four things (write back fi
 policy asks, clear the host bit, tell the observer, keep invariant P by cascading from a
 block that lost its last tier), whether the slot goes to LRU eviction of a block, of a Mamba
 state, or to a request's newer decode state replacing its older one. Reservations ask it for
-a slot (``alloc_kv`` / ``alloc_state``), evicting one victim when none is free.
+a slot (``alloc_kv`` / ``alloc_state``), evicting victims when none is free.
+
+A written-back victim's slot is quarantined, not freed (``SlotAllocator.free_later``): the
+worker reads it for the storage write during the step plan being built, so handing it to a
+store of the same plan would give one slot two roles. It frees nothing usable until the tree's
+``seal_plan``, so an allocation evicts further victims, at most ``MAX_VICTIMS_PER_ALLOC``.
 
 KV blocks go one at a time from the end of the least recently used host leaf, so a
 conversation keeps its earlier blocks; a state goes whole and leaves a tombstone (its node
@@ -14,7 +19,7 @@ hands it the allocators, policy, maintenance and counters.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from .eviction import EvictionPolicy
@@ -23,10 +28,16 @@ from .node import HOST, NO_SLOT, STORAGE, Node
 from .slot_allocator import SlotAllocator
 
 # Called for a host block (``is_state`` False) or a host Mamba state (True) that LRU eviction is
-# about to free and that storage does not hold yet: (is_state, host slot, key hash) -> whether
-# its bytes will be written to storage before the slot is reused (write-back). If so, the tree
-# keeps it as a storage entry instead of losing it.
-WriteBack = Callable[[bool, int, bytes], bool]
+# about to free and that storage does not hold yet: (is_state, host slot, key hash, the node's
+# partition) -> whether
+# its bytes will be written to storage by the step plan being built (write-back). If so, the
+# tree keeps it as a storage entry instead of losing it, and quarantines the slot until
+# ``HybridRadixTree.seal_plan``.
+WriteBack = Callable[[bool, int, bytes, Hashable], bool]
+
+# Victims one allocation may evict before it fails: under write-back each quarantined victim
+# frees nothing this plan, and an unbounded search would write back a whole pool for one slot.
+MAX_VICTIMS_PER_ALLOC = 16
 
 
 class HostEviction:
@@ -56,10 +67,12 @@ class HostEviction:
         return self._alloc(self.mamba_slots, self.evict_states)
 
     def _alloc(self, slots: SlotAllocator, evict: Callable[[int], int]) -> int | None:
-        """A free slot, evicting one victim first if there is none."""
+        """A free slot, evicting victims one at a time while there is none (a quarantined
+        victim frees nothing usable yet); None once nothing is evictable or the bound is hit."""
         slot = slots.alloc()
-        if slot is None:
-            evict(1)
+        victims = 0
+        while slot is None and victims < MAX_VICTIMS_PER_ALLOC and evict(1):
+            victims += 1
             slot = slots.alloc()
         if slot is None:
             self.counters["alloc_failures"] += 1
@@ -67,7 +80,8 @@ class HostEviction:
 
     # ------------------------------------------------------------------ eviction
     def evict_kv(self, num_blocks: int) -> int:
-        """Free up to ``num_blocks`` host KV slots from the LRU leaves' ends; how many were."""
+        """Free up to ``num_blocks`` host KV slots from the LRU leaves' ends; how many were
+        (a written-back block's slot counts, though it stays quarantined until ``seal_plan``)."""
         freed, obs = 0, self.observer
         while freed < num_blocks:
             x = self.policy.kv_victim()
@@ -81,10 +95,16 @@ class HostEviction:
                 f = flags[i]
                 if f & HOST:
                     wb = self.write_back
-                    if wb is not None and not f & STORAGE and wb(False, slots[i], x.hashes[i]):
+                    if (
+                        wb is not None
+                        and not f & STORAGE
+                        and wb(False, slots[i], x.hashes[i], x.partition)
+                    ):
                         f |= STORAGE  # written back before the slot is reused: still live
                         self.counters["kv_written_back"] += 1
-                    self.kv_slots.free(slots[i])
+                        self.kv_slots.free_later(slots[i])
+                    else:
+                        self.kv_slots.free(slots[i])
                     slots[i] = NO_SLOT
                     x.set_flag(i, f & ~HOST)
                     freed += 1
@@ -109,17 +129,27 @@ class HostEviction:
             if x is None:
                 break
             wb = self.write_back
-            if wb is not None and not x.mamba & STORAGE and wb(True, x.mamba_slot, x.hashes[-1]):
+            later = False
+            if (
+                wb is not None
+                and not x.mamba & STORAGE
+                and wb(True, x.mamba_slot, x.hashes[-1], x.partition)
+            ):
                 x.mamba |= STORAGE
                 self.counters["mamba_written_back"] += 1
-            self.free_state(x, tombstone=not x.mamba & STORAGE)
+                later = True
+            self.free_state(x, tombstone=not x.mamba & STORAGE, later=later)
             freed += 1
             self.counters["mamba_evicted"] += 1
         return freed
 
-    def free_state(self, x: Node, tombstone: bool) -> None:
-        """Free ``x``'s host state now, leaving a tombstone or not (the caller's rule)."""
-        self.mamba_slots.free(x.mamba_slot)
+    def free_state(self, x: Node, tombstone: bool, later: bool = False) -> None:
+        """Free ``x``'s host state, leaving a tombstone or not (the caller's rule); ``later``
+        quarantines the slot (the worker reads it for a write-back during this plan)."""
+        if later:
+            self.mamba_slots.free_later(x.mamba_slot)
+        else:
+            self.mamba_slots.free(x.mamba_slot)
         x.mamba_slot = NO_SLOT
         x.mamba &= ~HOST
         x.tombstone = tombstone

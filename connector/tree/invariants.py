@@ -15,6 +15,7 @@ from .eviction import kv_evictable, mamba_evictable, trimmable
 from .node import ALL_TIERS, GPU, HOST, LOADABLE, NO_SLOT, PENDING, Node
 
 if TYPE_CHECKING:
+    from .slot_allocator import SlotAllocator
     from .tree import HybridRadixTree
 
 
@@ -90,7 +91,8 @@ def _check_node(x: Node, prefix_live: bool) -> None:
 
 
 def _check_pools_and_pending(tree: HybridRadixTree, nodes: list[Node]) -> None:
-    """Pool conservation (free + used = size) for host KV and host Mamba; pending maps."""
+    """Pool conservation (free + quarantined + used = size) for host KV and host Mamba, no
+    slot both free and quarantined, none in use by a node and given up; pending maps."""
     forest = tree.forest
     kv_used: set[int] = set()
     mamba_used: set[int] = set()
@@ -100,7 +102,7 @@ def _check_pools_and_pending(tree: HybridRadixTree, nodes: list[Node]) -> None:
             if f & (HOST | PENDING):
                 s = x.slots[i]  # type: ignore[index]
                 _check(s not in kv_used, "pool-conservation", f"KV slot {s} used twice")
-                _check(not tree.kv_slots.is_free(s), "pool-conservation", f"KV slot {s} is free")
+                _check(_in_use(tree.kv_slots, s), "pool-conservation", f"KV slot {s} not in use")
                 kv_used.add(s)
             if f & PENDING:
                 pend_blocks += 1
@@ -108,7 +110,7 @@ def _check_pools_and_pending(tree: HybridRadixTree, nodes: list[Node]) -> None:
         if x.mamba & (HOST | PENDING):
             s = x.mamba_slot
             _check(s not in mamba_used, "pool-conservation", f"Mamba slot {s} used twice")
-            _check(not tree.mamba_slots.is_free(s), "pool-conservation", f"Mamba slot {s} free")
+            _check(_in_use(tree.mamba_slots, s), "pool-conservation", f"Mamba slot {s} not in use")
             mamba_used.add(s)
         if x.mamba & PENDING:
             pend_states += 1
@@ -119,13 +121,27 @@ def _check_pools_and_pending(tree: HybridRadixTree, nodes: list[Node]) -> None:
         (tree.kv_slots, kv_used, "KV"),
         (tree.mamba_slots, mamba_used, "Mamba"),
     ):
-        free = alloc.free_slots()
+        free, held = alloc.free_slots(), alloc.quarantined_slots()
         _check(len(set(free)) == len(free), "pool-conservation", f"{name} free list duplicates")
+        _check(len(set(held)) == len(held), "pool-conservation", f"{name} quarantine duplicates")
+        _check(not set(free) & set(held), "pool-conservation", f"{name} free and quarantined")
+        _check(all(alloc.is_free(s) for s in free), "pool-conservation", f"{name} free state")
         _check(
-            len(free) + len(used) == alloc.capacity,
+            all(alloc.is_quarantined(s) for s in held),
             "pool-conservation",
-            f"{name}: free {len(free)} + used {len(used)} != size {alloc.capacity}",
+            f"{name} quarantine state",
         )
+        _check(
+            len(free) + len(held) + len(used) == alloc.capacity,
+            "pool-conservation",
+            f"{name}: free {len(free)} + quarantined {len(held)} + used {len(used)}"
+            f" != size {alloc.capacity}",
+        )
+        _check(alloc.num_used == len(used), "pool-conservation", f"{name} used count")
+
+
+def _in_use(alloc: SlotAllocator, slot: int) -> bool:
+    return not alloc.is_free(slot) and not alloc.is_quarantined(slot)
 
 
 def _check_lru(tree: HybridRadixTree, nodes: list[Node]) -> None:

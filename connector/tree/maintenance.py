@@ -97,6 +97,22 @@ class Maintenance:
         if x.parent is not None:
             self.policy.offer(x)
 
+    def hold_path(self, node: Node) -> None:
+        """kv-lock ``node`` and every ancestor: no eviction, cascade or trim touches them."""
+        x = node
+        while x.parent is not None:
+            x.kv_lock += 1
+            self.policy.withdraw_kv(x)
+            x = x.parent
+
+    def unhold_path(self, node: Node) -> None:
+        """Undo one ``hold_path(node)``; the caller then ``settle``s ``node``."""
+        x: Node | None = node
+        while x is not None and x.parent is not None:
+            assert x.kv_lock > 0, "kv_lock underflow"
+            x.kv_lock -= 1
+            x = x.parent
+
     def settle(self, node: Node) -> list[Node]:
         """``node`` may have stopped being held: enforce invariant P on its path (drop it if
         a block above it lost every tier meanwhile), prune, and put it back in the LRUs.

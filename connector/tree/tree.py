@@ -23,15 +23,19 @@ after any public call:
 * **Locks**: a load's ``LockHandle`` and a prefetch's pin kv-lock a whole path (what it locked
   is recorded in the handle, never re-derived, #27147); a kv-locked node is in no eviction
   order and no cascade or trim touches it, so its host KV keeps its slots until ``unlock``.
-* **Conservation**: both slot allocators belong to the tree; free + used = capacity.
+  A store run holds its own request's path the same way for the length of the call.
+* **Conservation**: both slot allocators belong to the tree; free + quarantined + used =
+  capacity. A written-back victim's slot is quarantined until ``seal_plan``: the worker reads
+  it during the step plan being built, so no store of that plan may be given it.
 * **B** (the node budget, ``max_nodes``): after every public call the node count is within
   budget or no node is a metadata leaf; nodes that hold only GPU / storage marks would
   otherwise grow without bound (vLLM tells a connector nothing when it drops GPU blocks).
   Kept by ``Maintenance.trim``; it never drops host bytes, pending stores or held paths.
 
 Where the rest lives: ``forest.py`` (shape: paths, splits, pending maps), ``eviction.py``
-(victim order), ``host_eviction.py`` (freeing host slots), ``maintenance.py`` (P and B),
-``slot_allocator.py`` (host slot indices), ``tier_marks.py`` (GPU / storage bits of a path).
+(victim order), ``host_eviction.py`` (freeing host slots), ``reservations.py`` (stores:
+reserve, commit, roll back), ``maintenance.py`` (P and B), ``slot_allocator.py`` (host slot
+indices, quarantine, free journal), ``tier_marks.py`` (GPU / storage bits of a path).
 """
 
 from __future__ import annotations
@@ -43,10 +47,11 @@ from .eviction import EvictionPolicy
 from .forest import Forest
 from .host_eviction import HostEviction, WriteBack
 from .maintenance import Maintenance
-from .node import GPU, HOST, LOADABLE, NO_SLOT, PENDING, STORAGE, Node, common_prefix
+from .node import GPU, HOST, LOADABLE, NO_SLOT, STORAGE, Node, common_prefix
+from .reservations import Reservations
 from .results import LockHandle, MatchResult
 from .slot_allocator import SlotAllocator
-from .tier_marks import clear_path, fill_absent, mark_path
+from .tier_marks import clear_path, mark_path
 
 _COUNTERS = (
     "hits", "misses", "kv_evicted", "mamba_evicted", "kv_cascaded", "mamba_cascaded",
@@ -92,6 +97,15 @@ class HybridRadixTree:
         self.evictor = HostEviction(
             self.kv_slots, self.mamba_slots, self.policy, self.maint, self.counters
         )
+        self.stores = Reservations(
+            self.forest,
+            self.kv_slots,
+            self.mamba_slots,
+            self.policy,
+            self.maint,
+            self.evictor,
+            self.counters,
+        )
         self.handles: set[LockHandle] = set()
         self.observer: HostObserver | None = None
 
@@ -100,6 +114,37 @@ class HybridRadixTree:
         self.observer = observer
         self.maint.observer = observer
         self.evictor.observer = observer
+        self.stores.observer = observer
+
+    # ------------------------------------------------------------------ step plans, frees
+    def seal_plan(self) -> None:
+        """The step plan being built is sealed: the slots quarantined while building it (the
+        write-back victims its worker reads) become allocatable for the next plan."""
+        self.kv_slots.release_quarantine()
+        self.mamba_slots.release_quarantine()
+
+    @property
+    def journal_frees(self) -> bool:
+        """Whether every host slot the tree frees or quarantines is journaled for
+        ``take_freed`` (off by default: then a free costs one test more)."""
+        return self.kv_slots.journal is not None
+
+    @journal_frees.setter
+    def journal_frees(self, on: bool) -> None:
+        for alloc in (self.kv_slots, self.mamba_slots):
+            if not on:
+                alloc.journal = None
+            elif alloc.journal is None:
+                alloc.journal = []
+
+    def take_freed(self) -> tuple[list[int], list[int]]:
+        """Drain the journal: (KV slots, Mamba slots) freed or quarantined since the last
+        call, in order, whatever freed them; both empty while ``journal_frees`` is off."""
+        kv, mamba = self.kv_slots.journal, self.mamba_slots.journal
+        if kv is None or mamba is None:
+            return [], []
+        self.kv_slots.journal, self.mamba_slots.journal = [], []
+        return kv, mamba
 
     @property
     def write_back(self) -> WriteBack | None:
@@ -185,12 +230,6 @@ class HybridRadixTree:
         self.policy.touch_path(best)
         return res
 
-    def hit_count(self, hashes: Sequence[bytes], partition: Hashable, block_index: int) -> int:
-        """How many loads used block ``block_index`` (selective write-through counts these:
-        a lookup that only walks the path, or asks again, is no use of it)."""
-        found = self.forest.locate(hashes, partition, block_index + 1)
-        return 0 if found is None else found[0].hits
-
     def depth(self, hashes: Sequence[bytes], partition: Hashable) -> int:
         """How many leading blocks of ``hashes`` the tree knows, in any tier or none: the
         point where this request leaves every path seen before (its junction)."""
@@ -233,17 +272,25 @@ class HybridRadixTree:
         return out
 
     # ------------------------------------------------------------------ loads and pins
-    def lock(self, result: MatchResult, host_only: bool = False) -> LockHandle | None:
+    def lock(
+        self, result: MatchResult, host_only: bool = False, count_hit: bool = True
+    ) -> LockHandle | None:
         """Protect exactly what the load of ``result`` reads; None if the result went stale
-        (call it right after ``match``). ``host_only`` locks the ``host_num_blocks`` hit."""
+        (call it right after ``match``). ``host_only`` locks the ``host_num_blocks`` hit.
+
+        ``count_hit``: this lock is a new use of the path (one per load of a request), so
+        every node on it gains a hit, which ``hot_objects`` compares with its threshold. A
+        caller that locks again for the same request (a retried lookup while a storage
+        probe is pending, after a preemption) passes False, or hits would count retries."""
         node = result._host_node if host_only else result._node
         if node is None or node.parent is None or not node.mamba & LOADABLE:
             return None
         handle = self._lock(node, state=True, pinned=False)
-        x = node
-        while x.parent is not None:
-            x.hits += 1
-            x = x.parent
+        if count_hit:
+            x = node
+            while x.parent is not None:
+                x.hits += 1
+                x = x.parent
         return handle
 
     def pin(self, hashes: Sequence[bytes], partition: Hashable, num_blocks: int) -> LockHandle:
@@ -266,11 +313,7 @@ class HybridRadixTree:
         return self._lock(node, state=node.end == num_blocks, pinned=True)
 
     def _lock(self, node: Node, state: bool, pinned: bool) -> LockHandle:
-        x = node
-        while x.parent is not None:
-            x.kv_lock += 1
-            self.policy.withdraw_kv(x)
-            x = x.parent
+        self.maint.hold_path(node)
         handle = LockHandle(node, None, pinned)
         if state and node.mamba & HOST:
             node.mamba_lock += 1
@@ -285,19 +328,14 @@ class HybridRadixTree:
             raise RuntimeError("unlock of a handle that is not held")
         handle.released = True
         self.handles.discard(handle)
-        x = handle.kv_node
-        while x is not None and x.parent is not None:
-            assert x.kv_lock > 0, "kv_lock underflow"
-            x.kv_lock -= 1
-            x = x.parent
+        if handle.kv_node is not None:
+            self.maint.unhold_path(handle.kv_node)
         if handle.mamba_node is not None:
             assert handle.mamba_node.mamba_lock > 0, "mamba_lock underflow"
             handle.mamba_node.mamba_lock -= 1
         if handle.kv_node is not None:
             self.maint.settle(handle.kv_node)
         self._finish()
-
-    complete_load = unlock
 
     # ------------------------------------------------------------------ stores
     def reserve_kv(
@@ -310,23 +348,7 @@ class HybridRadixTree:
         """A host slot to store block ``block_index`` into, or None (already on host or in
         flight, or no evictable space). ``from_device``: the request holds blocks
         ``0..block_index`` on GPU now, so they are marked GPU where the tree knew no tier."""
-        if not 0 <= block_index < len(hashes):
-            raise IndexError(block_index)
-        found = self.forest.locate(hashes, partition, block_index + 1)
-        if found is not None and found[0].flags[found[1]] & (HOST | PENDING):
-            return None
-        slot = self.evictor.alloc_kv()
-        if slot is None:
-            self._finish()
-            return None
-        node = self.forest.ensure_path(hashes, partition, block_index + 1)[-1]
-        i = block_index - node.start
-        if from_device:
-            fill_absent(node, i, GPU)
-        node.set_flag(i, node.flags[i] | PENDING | (GPU if from_device else 0))
-        node.set_slot(i, slot)
-        self.forest.pending_kv[slot] = (node, i)
-        self.policy.withdraw_kv(node)
+        slot = self.stores.reserve_kv(hashes, partition, block_index, from_device)
         self._finish()
         return slot
 
@@ -337,36 +359,9 @@ class HybridRadixTree:
         ``(block index, slot)`` for each block not already on host or in flight, in order,
         stopping at the first block no slot can be found for. The request holds blocks
         ``[0, end)`` on GPU, so they are all marked GPU first: an eviction that the
-        allocations below cause can then never cut a hole into this path."""
-        if not 0 <= start < end <= len(hashes):
-            raise IndexError((start, end))
-        path = self.forest.ensure_path(hashes, partition, end)
-        for x in path:
-            upto = min(len(x.hashes), end - x.start)
-            if x.n_gpu < upto:
-                flags = x.flags
-                for i in range(upto):
-                    x.set_flag(i, flags[i] | GPU)
-        out: list[tuple[int, int]] = []
-        full = False
-        for x in path:
-            if x.end <= start:
-                continue
-            flags = x.flags
-            for i in range(max(start - x.start, 0), min(len(flags), end - x.start)):
-                if flags[i] & (HOST | PENDING):
-                    continue
-                slot = self.evictor.alloc_kv()
-                if slot is None:
-                    full = True
-                    break
-                x.set_flag(i, flags[i] | PENDING)
-                x.set_slot(i, slot)
-                self.forest.pending_kv[slot] = (x, i)
-                self.policy.withdraw_kv(x)
-                out.append((x.start + i, slot))
-            if full:
-                break
+        allocations below cause can then never cut a hole into this path. That path is held
+        for the call: the victims are other paths' blocks, never this request's own."""
+        out = self.stores.reserve_kv_run(hashes, partition, start, end)
         self._finish()
         return out
 
@@ -378,22 +373,7 @@ class HybridRadixTree:
         from_device: bool = True,
     ) -> int | None:
         """A host slot for the Mamba state at boundary ``num_blocks``, or None."""
-        if not 1 <= num_blocks <= len(hashes):
-            raise IndexError(num_blocks)
-        found = self.forest.locate(hashes, partition, num_blocks)
-        if found is not None and found[0].end == num_blocks and found[0].mamba & (HOST | PENDING):
-            return None
-        slot = self.evictor.alloc_state()
-        if slot is None:
-            self._finish()
-            return None
-        node = self.forest.ensure_path(hashes, partition, num_blocks, (num_blocks,))[-1]
-        if from_device:
-            fill_absent(node, len(node.hashes), GPU)
-        node.mamba |= PENDING
-        node.mamba_slot = slot
-        node.tombstone = False
-        self.forest.pending_mamba[slot] = node
+        slot = self.stores.reserve_mamba(hashes, partition, num_blocks, from_device)
         self._finish()
         return slot
 
@@ -401,51 +381,14 @@ class HybridRadixTree:
         self, kv_slots: Iterable[int] = (), mamba_slots: Iterable[int] = (), ok: bool = True
     ) -> None:
         """Commit (``ok``) or roll back reserved slots. Unknown slots are counted, ignored."""
-        touched: dict[int, Node] = {}
-        pending_kv, pending_mamba = self.forest.pending_kv, self.forest.pending_mamba
-        obs = self.observer
-        for slot in kv_slots:
-            entry = pending_kv.pop(slot, None)
-            if entry is None:
-                self.counters["stale_completions"] += 1
-                continue
-            node, i = entry
-            flag = node.flags[i] & ~PENDING
-            if ok:
-                flag |= HOST
-                if obs is not None:
-                    obs.host_kv(True, node.hashes[i])
-            else:
-                node.set_slot(i, NO_SLOT)
-                self.kv_slots.free(slot)
-            node.set_flag(i, flag)
-            touched[id(node)] = node
-            self.counters["stores_committed" if ok else "stores_rolled_back"] += 1
-        for slot in mamba_slots:
-            mnode = pending_mamba.pop(slot, None)
-            if mnode is None:
-                self.counters["stale_completions"] += 1
-                continue
-            mnode.mamba &= ~PENDING
-            if ok:
-                mnode.mamba |= HOST
-                self.policy.sync_mamba(mnode, touch=True)
-                if obs is not None:
-                    obs.host_state(True, mnode.hashes[-1])
-            else:
-                mnode.mamba_slot = NO_SLOT
-                self.mamba_slots.free(slot)
-            touched[id(mnode)] = mnode
-            self.counters["stores_committed" if ok else "stores_rolled_back"] += 1
-        for node in touched.values():
-            if node.parent is not None:
-                self.maint.settle(node)
+        self.stores.complete(kv_slots, mamba_slots, ok)
         self._finish()
 
     # ------------------------------------------------------------------ eviction
     def evict_host(self, num_blocks: int) -> int:
         """Free ``num_blocks`` host KV slots, one block at a time from the end of the LRU
-        host leaf; returns how many were freed (fewer only if nothing else is evictable)."""
+        host leaf; returns how many were freed (fewer only if nothing else is evictable).
+        Written-back blocks count, though their slots wait in quarantine for ``seal_plan``."""
         freed = self.evictor.evict_kv(num_blocks)
         self._finish()
         return freed
@@ -498,17 +441,6 @@ class HybridRadixTree:
         )
         self._finish()
 
-    def evict_device(
-        self,
-        hashes: Sequence[bytes],
-        partition: Hashable,
-        start_block: int = 0,
-        end_block: int | None = None,
-    ) -> None:
-        """vLLM dropped blocks ``[start_block, end_block)`` (and states ending in that range)."""
-        clear_path(self.forest, self.maint, hashes, partition, start_block, end_block, GPU)
-        self._finish()
-
     def mark_storage(
         self,
         hashes: Sequence[bytes],
@@ -543,9 +475,11 @@ class HybridRadixTree:
             "host_kv_capacity": self.kv_slots.capacity,
             "host_kv_used": self.kv_slots.num_used,
             "host_kv_free": self.kv_slots.num_free,
+            "host_kv_quarantined": self.kv_slots.num_quarantined,
             "host_mamba_capacity": self.mamba_slots.capacity,
             "host_mamba_used": self.mamba_slots.num_used,
             "host_mamba_free": self.mamba_slots.num_free,
+            "host_mamba_quarantined": self.mamba_slots.num_quarantined,
             "nodes": self.forest.num_nodes,
             "locks": len(self.handles),
             "pins": sum(h.pinned for h in self.handles),

@@ -201,7 +201,9 @@ class WorkerHalf:
             return
         for done in stores:
             for batch in done.batches:
-                self.storage.on_stored(batch.kind, batch.slots, batch.hashes, done.epoch)
+                self.storage.on_stored(
+                    batch.kind, batch.slots, batch.hashes, done.epoch, batch.lora_tags
+                )
 
     def run_loads(self, plan: StepPlan) -> None:
         # A slot's last store must be complete (and handed to storage) before a storage write
@@ -275,7 +277,7 @@ class WorkerHalf:
                 self.mamba.plan_snapshot(plan.mamba_stores.blocks, plan.mamba_stores.slots)
             )
         batches = tuple(
-            StoredBatch(kind, tuple(batch.slots), tuple(batch.hashes))
+            StoredBatch(kind, tuple(batch.slots), tuple(batch.hashes), tuple(batch.lora_tags))
             for kind, batch in (
                 (ObjectKind.KV, plan.kv_stores),
                 (ObjectKind.MAMBA, plan.mamba_stores),

@@ -29,6 +29,8 @@ from himamba.connector.protocol import (
     StorageOp,
     StorageOutcome,
     StorageWrite,
+    key_salt,
+    salt_epoch,
 )
 from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.cpu_pool import HostSlotPool
@@ -64,7 +66,7 @@ class WorkerStorage:
         self.capacity_bytes = capacity_bytes
         self.write_policy = write_policy
         # write_back: host slots whose content storage does not have yet, (kind, slot) ->
-        # (hash, epoch). Flushed at a clean shutdown; cleared when the slot is written or
+        # (hash, key salt). Flushed at a clean shutdown; cleared when the slot is written or
         # overwritten by a fetch (its content then belongs to another key).
         self._dirty: dict[tuple[int, int], tuple[bytes, str]] = {}
         self._gets: dict[int, _Get] = {}  # store task id -> live fetch
@@ -107,22 +109,29 @@ class WorkerStorage:
 
     # -- writes ----------------------------------------------------------------------
     def on_stored(
-        self, kind: int, slots: Sequence[int], hashes: Sequence[bytes], epoch: str = ""
+        self,
+        kind: int,
+        slots: Sequence[int],
+        hashes: Sequence[bytes],
+        epoch: str = "",
+        lora_tags: Sequence[str] = (),
     ) -> None:
         """Slots just filled from vLLM's cache: written now (write_through), remembered as
         dirty (write_back), or left to the scheduler's explicit writes (selective)."""
+        salts = [key_salt(epoch, t) for t in lora_tags] if lora_tags else [epoch] * len(slots)
         if self.write_policy == "write_through":
-            self._put(kind, slots, hashes, epoch)
+            self._put(kind, slots, hashes, salts)
         elif self.write_policy == "write_back":
-            for slot, h in zip(slots, hashes, strict=True):
-                self._dirty[(kind, slot)] = (h, epoch)
+            for slot, h, salt in zip(slots, hashes, salts, strict=True):
+                self._dirty[(kind, slot)] = (h, salt)
 
     def write_slots(self, items: Sequence[StorageWrite], epoch: str = "") -> None:
         """The scheduler's explicit writes: popular objects (selective) or objects the CPU tier
         is evicting (write-back), before their slots are reused."""
         for kind in {w.kind for w in items}:
             mine = [w for w in items if w.kind == kind]
-            self._put(kind, [w.slot for w in mine], [w.block_hash for w in mine], epoch)
+            salts = [key_salt(epoch, w.lora_tag) for w in mine]
+            self._put(kind, [w.slot for w in mine], [w.block_hash for w in mine], salts)
 
     def forget_slots(self, kind: ObjectKind, slots: Sequence[int]) -> None:
         """The scheduler freed these slots: whatever they hold belongs to no key any more, so
@@ -131,11 +140,13 @@ class WorkerStorage:
             for slot in slots:
                 self._dirty.pop((kind, slot), None)
 
-    def _put(self, kind: int, slots: Sequence[int], hashes: Sequence[bytes], epoch: str) -> None:
+    def _put(
+        self, kind: int, slots: Sequence[int], hashes: Sequence[bytes], salts: Sequence[str]
+    ) -> None:
         if not slots:
             return
         pool = self.pools[kind]
-        keys = [StorageKey(h, ObjectKind(kind), epoch) for h in hashes]
+        keys = [StorageKey(h, ObjectKind(kind), s) for h, s in zip(hashes, salts, strict=True)]
         for slot in slots:
             self._dirty.pop((kind, slot), None)
         # The store copies each slot's layer rows into its own staging buffer before returning,
@@ -152,12 +163,14 @@ class WorkerStorage:
 
     def flush_dirty(self) -> int:
         """write_back at a clean shutdown: everything only the host had goes to storage."""
-        by_epoch: dict[tuple[int, str], list[tuple[int, bytes]]] = {}
-        for (kind, slot), (h, epoch) in self._dirty.items():
-            by_epoch.setdefault((kind, epoch), []).append((slot, h))
+        by_kind: dict[int, list[tuple[int, bytes, str]]] = {}
+        for (kind, slot), (h, salt) in self._dirty.items():
+            by_kind.setdefault(kind, []).append((slot, h, salt))
         n = len(self._dirty)
-        for (kind, epoch), items in by_epoch.items():
-            self._put(kind, [s for s, _ in items], [h for _, h in items], epoch)
+        for kind, items in by_kind.items():
+            self._put(
+                kind, [s for s, _, _ in items], [h for _, h, _ in items], [x for *_, x in items]
+            )
         return n
 
     # -- fetches -----------------------------------------------------------------------
@@ -174,8 +187,8 @@ class WorkerStorage:
 
     def fetch(self, orders: Sequence[FetchOrder]) -> None:
         for order in orders:
-            epoch = order.generation.epoch
-            keys = [StorageKey(it.block_hash, it.kind, epoch) for it in order.items]
+            salt = key_salt(order.generation.epoch, order.lora_tag)
+            keys = [StorageKey(it.block_hash, it.kind, salt) for it in order.items]
             dsts: list[Any] = []
             lent: list[bool] = []
             for it in order.items:
@@ -262,7 +275,8 @@ class WorkerStorage:
 
     def _outcome(self, op: StorageOp, key: StorageKey) -> None:
         assert self.outcomes is not None  # the key's third field carries the epoch (see _put)
-        outcome = StorageOutcome(op, self.rank, int(key.kind), key.block_hash, key.cache_salt)
+        epoch = salt_epoch(key.cache_salt)
+        outcome = StorageOutcome(op, self.rank, int(key.kind), key.block_hash, epoch)
         self.outcomes.append(outcome)
 
     def _finish_get(self, get: _Get, res: TaskResult) -> None:

@@ -5,6 +5,8 @@ different bytes (the reset stands for a weight update), so a stale byte fails CH
 
 from __future__ import annotations
 
+import time
+
 from vllm.v1.engine import FinishReason
 
 from himamba.connector.protocol import ControlAction
@@ -14,15 +16,18 @@ from .leaks import assert_no_leaks
 from .workload import cache_prefix, prompt_of
 
 
-def switch(engine, action: ControlAction, storage: dict | None = None, max_steps: int = 200):
-    """Every rank switches; steps run until the scheduler half followed."""
+def switch(engine, action: ControlAction, storage: dict | None = None, timeout_s: float = 30.0):
+    """Every rank switches (the new store opens off the engine loop); steps run until the
+    scheduler half followed."""
     for runner in engine.runners:
         runner.connector.control(action, storage)
     attached = action is ControlAction.ATTACH
-    for _ in range(max_steps):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         engine.idle_steps(1)
         if (engine.connector.scheduler.storage is not None) == attached:
             return
+        time.sleep(0.01)
     raise AssertionError(f"the scheduler never followed {action}")
 
 

@@ -1,0 +1,176 @@
+"""Stores into the host tier: reserving slots for blocks and states, then commit or rollback.
+
+A store is two calls apart: the scheduler reserves a slot while it builds a step plan (the
+block or state becomes ``PENDING``: held, unmatchable, listed in the forest's pending maps),
+and the worker's copy finishing commits it (``HOST``) or rolls it back (slot freed). Between
+the two, the slot belongs to the store and nothing else may touch it.
+
+A request storing its newest blocks must not pay for them with its own older ones: host
+eviction takes the end of the least recently used host leaf, which is often the very request
+that is storing. So ``reserve_kv_run`` holds the request's path ``[0, end)`` for the length
+of the call (like a pin) and only other paths are victims; with none left, the run stops.
+
+Like ``Maintenance`` and ``HostEviction`` it owns nothing: the tree hands it the forest, the
+allocators, the evictor and the counters, and finishes every public call itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+from .eviction import EvictionPolicy
+from .forest import Forest
+from .host_eviction import HostEviction
+from .maintenance import Maintenance
+from .node import GPU, HOST, NO_SLOT, PENDING, Node
+from .slot_allocator import SlotAllocator
+from .tier_marks import fill_absent
+
+
+class Reservations:
+    """Reserve, commit and roll back host stores of one tree."""
+
+    def __init__(
+        self,
+        forest: Forest,
+        kv_slots: SlotAllocator,
+        mamba_slots: SlotAllocator,
+        policy: EvictionPolicy,
+        maint: Maintenance,
+        evictor: HostEviction,
+        counters: dict[str, int],
+    ) -> None:
+        self.forest = forest
+        self.kv_slots = kv_slots
+        self.mamba_slots = mamba_slots
+        self.policy = policy
+        self.maint = maint
+        self.evictor = evictor
+        self.counters = counters
+        self.observer: Any = None  # the tree's HostObserver, told of committed stores
+
+    def reserve_kv(
+        self, hashes: Sequence[bytes], partition: Hashable, block_index: int, from_device: bool
+    ) -> int | None:
+        """See ``HybridRadixTree.reserve_kv``."""
+        if not 0 <= block_index < len(hashes):
+            raise IndexError(block_index)
+        found = self.forest.locate(hashes, partition, block_index + 1)
+        if found is not None and found[0].flags[found[1]] & (HOST | PENDING):
+            return None
+        slot = self.evictor.alloc_kv()
+        if slot is None:
+            return None
+        node = self.forest.ensure_path(hashes, partition, block_index + 1)[-1]
+        i = block_index - node.start
+        if from_device:
+            fill_absent(node, i, GPU)
+        node.set_flag(i, node.flags[i] | PENDING | (GPU if from_device else 0))
+        node.set_slot(i, slot)
+        self.forest.pending_kv[slot] = (node, i)
+        self.policy.withdraw_kv(node)
+        return slot
+
+    def reserve_kv_run(
+        self, hashes: Sequence[bytes], partition: Hashable, start: int, end: int
+    ) -> list[tuple[int, int]]:
+        """See ``HybridRadixTree.reserve_kv_run``."""
+        if not 0 <= start < end <= len(hashes):
+            raise IndexError((start, end))
+        path = self.forest.ensure_path(hashes, partition, end)
+        for x in path:
+            upto = min(len(x.hashes), end - x.start)
+            if x.n_gpu < upto:
+                flags = x.flags
+                for i in range(upto):
+                    x.set_flag(i, flags[i] | GPU)
+        own = path[-1]
+        self.maint.hold_path(own)  # the request's own blocks are no victims of its stores
+        try:
+            return self._reserve_run(path, start, end)
+        finally:
+            self.maint.unhold_path(own)
+            self.maint.settle(own)
+
+    def _reserve_run(self, path: list[Node], start: int, end: int) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for x in path:
+            if x.end <= start:
+                continue
+            flags = x.flags
+            for i in range(max(start - x.start, 0), min(len(flags), end - x.start)):
+                if flags[i] & (HOST | PENDING):
+                    continue
+                slot = self.evictor.alloc_kv()
+                if slot is None:
+                    return out
+                x.set_flag(i, flags[i] | PENDING)
+                x.set_slot(i, slot)
+                self.forest.pending_kv[slot] = (x, i)
+                self.policy.withdraw_kv(x)
+                out.append((x.start + i, slot))
+        return out
+
+    def reserve_mamba(
+        self, hashes: Sequence[bytes], partition: Hashable, num_blocks: int, from_device: bool
+    ) -> int | None:
+        """See ``HybridRadixTree.reserve_mamba``."""
+        if not 1 <= num_blocks <= len(hashes):
+            raise IndexError(num_blocks)
+        found = self.forest.locate(hashes, partition, num_blocks)
+        if found is not None and found[0].end == num_blocks and found[0].mamba & (HOST | PENDING):
+            return None
+        slot = self.evictor.alloc_state()
+        if slot is None:
+            return None
+        node = self.forest.ensure_path(hashes, partition, num_blocks, (num_blocks,))[-1]
+        if from_device:
+            fill_absent(node, len(node.hashes), GPU)
+        node.mamba |= PENDING
+        node.mamba_slot = slot
+        node.tombstone = False
+        self.forest.pending_mamba[slot] = node
+        return slot
+
+    def complete(self, kv_slots: Iterable[int], mamba_slots: Iterable[int], ok: bool) -> None:
+        """See ``HybridRadixTree.complete_store``."""
+        touched: dict[int, Node] = {}
+        pending_kv, pending_mamba = self.forest.pending_kv, self.forest.pending_mamba
+        obs = self.observer
+        for slot in kv_slots:
+            entry = pending_kv.pop(slot, None)
+            if entry is None:
+                self.counters["stale_completions"] += 1
+                continue
+            node, i = entry
+            flag = node.flags[i] & ~PENDING
+            if ok:
+                flag |= HOST
+                if obs is not None:
+                    obs.host_kv(True, node.hashes[i])
+            else:
+                node.set_slot(i, NO_SLOT)
+                self.kv_slots.free(slot)
+            node.set_flag(i, flag)
+            touched[id(node)] = node
+            self.counters["stores_committed" if ok else "stores_rolled_back"] += 1
+        for slot in mamba_slots:
+            mnode = pending_mamba.pop(slot, None)
+            if mnode is None:
+                self.counters["stale_completions"] += 1
+                continue
+            mnode.mamba &= ~PENDING
+            if ok:
+                mnode.mamba |= HOST
+                self.policy.sync_mamba(mnode, touch=True)
+                if obs is not None:
+                    obs.host_state(True, mnode.hashes[-1])
+            else:
+                mnode.mamba_slot = NO_SLOT
+                self.mamba_slots.free(slot)
+            touched[id(mnode)] = mnode
+            self.counters["stores_committed" if ok else "stores_rolled_back"] += 1
+        for node in touched.values():
+            if node.parent is not None:
+                self.maint.settle(node)

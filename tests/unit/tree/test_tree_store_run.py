@@ -1,0 +1,46 @@
+"""A request storing its blocks step after step never evicts its own earlier blocks to make
+room: ``reserve_kv_run`` holds the request's path for the call, so only other paths' host
+blocks are victims, and with none left the run stops."""
+
+from __future__ import annotations
+
+from test_radix_tree import chain, store
+from unit.tree.tree_helpers import evict_device, host_blocks
+
+from himamba.connector.tree import HybridRadixTree, check_invariants
+
+
+def test_a_long_request_keeps_its_stored_blocks_while_older_paths_make_room() -> None:
+    tree = HybridRadixTree(8, 2)
+    older = chain(4, salt="older")
+    store(tree, older)
+    evict_device(tree, older, None)  # an older conversation, on host only
+    req = chain(16, salt="req")
+    stored: list[int] = []
+    for step in range(8):  # two blocks per step, committed before the next step
+        run = tree.reserve_kv_run(req, None, 2 * step, 2 * step + 2)
+        tree.complete_store([s for _, s in run], [])
+        stored += [i for i, _ in run]
+        check_invariants(tree)
+        # Nothing this request stored has left the host tier for its own later blocks.
+        assert host_blocks(tree, req, None) == stored, (step, stored)
+    # Four free slots, then the older conversation's four blocks: eight in all, in order.
+    assert stored == list(range(8))
+    assert host_blocks(tree, older, None) == []
+    assert tree.stats()["kv_evicted"] == 4
+
+
+def test_a_run_shared_by_two_requests_evicts_the_other_branch_not_the_common_prefix() -> None:
+    tree = HybridRadixTree(6, 2)
+    trunk = chain("sys")
+    branch_a, branch_b = trunk + chain("ab", salt="a"), trunk + chain("cd", salt="b")
+    run = tree.reserve_kv_run(branch_a, None, 0, 5)
+    tree.complete_store([s for _, s in run], [])
+    evict_device(tree, branch_a, None, 3, 5)  # a's own tail: host only now, a's request is gone
+    run = tree.reserve_kv_run(branch_b, None, 3, 5)
+    tree.complete_store([s for _, s in run], [])
+    # b needed two slots and had one free: a's tail went (not b's shared prefix "sys").
+    assert [i for i, _ in run] == [3, 4]
+    assert host_blocks(tree, branch_b, None) == [0, 1, 2, 3, 4]
+    assert host_blocks(tree, branch_a, None) == [0, 1, 2, 3]
+    check_invariants(tree)
