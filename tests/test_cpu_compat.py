@@ -121,26 +121,142 @@ def test_register_is_idempotent_and_env_switch_disables_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.platforms import current_platform
 
     from himamba.connector.vllm_fixups import cpu_compat
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: True)
-    original = MambaMixer2.__dict__["get_kv_cache_spec"]
-    monkeypatch.setattr(MambaMixer2, "get_kv_cache_spec", original)  # restored on teardown
-    if getattr(original, cpu_compat._PATCH_FLAG, False):
-        pytest.skip("plugin already applied in this process")
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    targets = [(MambaMixer2, "get_kv_cache_spec"), (RotaryEmbedding, "forward_cpu")]
+    originals = [_unpatched(cls.__dict__[name]) for cls, name in targets]
+    for (cls, name), original in zip(targets, originals, strict=True):
+        monkeypatch.setattr(cls, name, original)  # restored on teardown
 
     monkeypatch.setenv(cpu_compat.ENV_DISABLE, "0")
     cpu_compat.register()
-    assert MambaMixer2.__dict__["get_kv_cache_spec"] is original
+    assert [cls.__dict__[name] for cls, name in targets] == originals
 
     monkeypatch.delenv(cpu_compat.ENV_DISABLE)
     cpu_compat.register()
-    patched = MambaMixer2.__dict__["get_kv_cache_spec"]
-    assert patched is not original and cpu_compat.is_patched()
+    patched = [cls.__dict__[name] for cls, name in targets]
+    assert all(p is not o for p, o in zip(patched, originals, strict=True))
+    assert cpu_compat.is_patched() and cpu_compat.is_rope_patched()
     cpu_compat.register()
-    assert MambaMixer2.__dict__["get_kv_cache_spec"] is patched
+    assert [cls.__dict__[name] for cls, name in targets] == patched
+
+
+def _unpatched(fn: Any) -> Any:
+    """The vLLM function under this plugin's wrapper (``fn`` itself when not wrapped)."""
+    from himamba.connector.vllm_fixups import cpu_compat
+
+    while getattr(fn, cpu_compat._PATCH_FLAG, False):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _rope(head_size: int = 64) -> Any:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(
+            head_size,
+            max_position=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            is_neox_style=True,
+        )
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64])
+def test_cpu_rope_patch_rotates_3d_query_key_like_the_native_rope(
+    monkeypatch: pytest.MonkeyPatch, num_tokens: int
+) -> None:
+    """LFM2 hands ``[tokens, heads, head_size]`` q/k to the rope; on CPU the wrapped op must
+    rotate every head of every token like ``forward_native`` (in place, same tensors back)."""
+    import torch
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from himamba.connector.vllm_fixups import cpu_compat
+
+    monkeypatch.setattr(
+        RotaryEmbedding, "forward_cpu", _unpatched(RotaryEmbedding.__dict__["forward_cpu"])
+    )
+    assert cpu_compat.patch_cpu_rope() and cpu_compat.is_rope_patched()
+    rope = _rope()
+    gen = torch.Generator().manual_seed(num_tokens)
+    q = torch.randn(num_tokens, 4, 64, generator=gen)
+    k = torch.randn(num_tokens, 2, 64, generator=gen)
+    positions = torch.arange(num_tokens) * 7 + 3
+    want_q, want_k = rope.forward_native(positions, q.clone(), k.clone())
+
+    layouts = {
+        "3-D": (q.clone(), k.clone()),
+        "2-D": (q.clone().view(num_tokens, -1), k.clone().view(num_tokens, -1)),
+        # heads-major storage: not viewable as [tokens, heads * head_size]
+        "strided 3-D": (
+            q.clone().transpose(0, 1).contiguous().transpose(0, 1),
+            k.clone().transpose(0, 1).contiguous().transpose(0, 1),
+        ),
+    }
+    for name, (q_in, k_in) in layouts.items():
+        q_out, k_out = rope.forward_cpu(positions, q_in, k_in)
+        assert q_out is q_in and k_out is k_in, name
+        torch.testing.assert_close(q_in.reshape(want_q.shape), want_q, msg=name)
+        torch.testing.assert_close(k_in.reshape(want_k.shape), want_k, msg=name)
+    q_only, none = rope.forward_cpu(positions, q.clone(), None)
+    assert none is None
+    torch.testing.assert_close(q_only, want_q)
+
+
+def test_stock_cpu_rope_mangles_3d_query_key() -> None:
+    """The upstream behaviour the rope patch corrects: vLLM's CPU kernel reads only 2-D q/k.
+
+    If this starts failing, vLLM fixed its kernel and the patch can go.
+    """
+    import torch
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    stock = _unpatched(RotaryEmbedding.__dict__["forward_cpu"])
+    rope = _rope()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 4, 64, generator=gen)
+    k = torch.randn(8, 2, 64, generator=gen)
+    positions = torch.arange(8)
+    want_q, _ = rope.forward_native(positions, q.clone(), k.clone())
+    got_q, _ = stock(rope, positions, q.clone(), k.clone())
+    assert not torch.allclose(got_q, want_q, atol=1e-3)
+    got_2d, _ = stock(rope, positions, q.clone().view(8, -1), k.clone().view(8, -1))
+    torch.testing.assert_close(got_2d.view(8, 4, 64), want_q)
+
+
+def test_import_hook_patches_each_module_once_and_then_leaves(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from himamba.connector.vllm_fixups import cpu_compat
+
+    for name in ("himamba_fake_a", "himamba_fake_b"):
+        (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    calls: list[str] = []
+
+    def patch_a() -> None:
+        calls.append("a")
+
+    def patch_b() -> None:
+        calls.append("b")
+
+    hook = cpu_compat._PatchOnImport({"himamba_fake_a": patch_a, "himamba_fake_b": patch_b})
+    sys.meta_path.insert(0, hook)
+    import himamba_fake_a  # noqa: F401
+
+    assert calls == ["a"] and hook in sys.meta_path
+    import himamba_fake_b  # noqa: F401
+
+    assert calls == ["a", "b"] and hook not in sys.meta_path
+    assert sys.modules["himamba_fake_b"].VALUE == 1
 
 
 def test_spec_rewrite_only_drops_checkpoint_blocks() -> None:

@@ -1,7 +1,10 @@
-"""vLLM general plugin: let Mamba2 hybrids run with prefix caching on vLLM's CPU platform.
+"""vLLM general plugin: make hybrids with prefix caching exact on vLLM's CPU platform.
 
-Why this exists
----------------
+Two targeted fixes, each applied only on the CPU platform: Mamba2 prefill checkpoints, and the
+rotary embedding of 3-D query/key tensors (LFM2).
+
+Mamba2 prefill checkpoints
+--------------------------
 In vLLM 0.32 (and, by source reading, 0.33) ``MambaMixer2.get_kv_cache_spec`` always returns a
 ``MambaSpec`` with ``num_prefill_checkpoint_blocks=1``. That promise tells the scheduler it may
 let the last prefill chunk run past a block boundary: the model will export the SSM state *at*
@@ -12,20 +15,55 @@ the Triton kernel ``store_prefill_checkpoint``). The CPU chunk-scan op ignores
 (every prompt longer than one block, with ``mamba_cache_mode="align"``) dies in
 ``mamba_mixer2.py`` with ``IndexError: index N is out of bounds for dimension 0 with size 1``.
 
-The fix
--------
-On the CPU platform only, wrap ``MambaMixer2.get_kv_cache_spec`` so the spec carries no
+The fix: on the CPU platform only, wrap ``MambaMixer2.get_kv_cache_spec`` so the spec carries no
 prefill checkpoint blocks. The scheduler then falls back to plain align mode: every prefill
 chunk ends on a block boundary, and the state at a chunk end is exactly the cached state, which
 the CPU kernels do produce. Other Mamba-type layers (GDN, short-conv, ...) do not advertise
 checkpoint blocks and are left alone; GPU platforms are never touched.
 
+Rotary embedding of 3-D query/key (LFM2 / ShortConv hybrids)
+------------------------------------------------------------
+Symptom: on CPU an ``Lfm2ForCausalLM`` generates different tokens for a prompt that extends a
+cached prefix than for the same prompt computed cold, with vLLM's own prefix cache alone.
+The short-conv state is not at fault: the conv state a chunk or decode step reads is exactly the
+last ``L_cache - 1`` inputs of the tokens before it, at every prefix hit and chunk boundary.
+The fault is the rotary embedding:
+
+* ``Lfm2Attention.forward`` (``model_executor/models/lfm2.py``, and ``lfm2_moe.py``) applies
+  its per-head q/k layernorms on ``[num_tokens, num_heads, head_size]`` views and hands those
+  **3-D** tensors to ``self.rotary_emb``. Other models pass ``[num_tokens, num_heads *
+  head_size]``.
+* On CPU, ``RotaryEmbedding.forward_cpu`` (``layers/rotary_embedding/base.py``) calls the
+  in-place C++ op ``rotary_embedding`` (``csrc/cpu/pos_encoding.cpp``), which only understands
+  2-D: it takes ``num_heads = query.size(-1) / head_size`` (= 1 for 3-D) and the token stride
+  ``query.stride(-2)`` (= ``head_size`` for 3-D). So for a batch of N tokens it rotates the
+  first N head rows of the flattened ``[N * num_heads, head_size]`` tensor, row r with the
+  position of token r, and leaves the other rows unrotated: with 4 query heads, the tokens at
+  indices >= N/4 of the batch get no rotary embedding at all, and head h of token j < N/4 is
+  rotated with the position of token 4j + h. Decode of one request rotates only head 0.
+
+The result depends on how tokens are split into forward batches, so anything that changes the
+batching changes the tokens: a prefix-cache hit (the hit request computes tokens 896..1023 as
+a batch with a cached prefix; the cold one computes 0..1023 in one batch), chunked prefill
+(``max_num_batched_tokens``), or other requests decoded in the same step. Repeating a prompt
+exactly is "exact" only because the hit replays the cold run's last chunk with the same
+batching. The CUDA kernel takes the head count from ``numel() / num_tokens`` and the token
+stride from the token dimension, so GPUs are not affected.
+
+The fix: on the CPU platform only, wrap ``RotaryEmbedding.forward_cpu`` so a query or key with
+more than two dimensions goes to the kernel as a ``[num_tokens, heads * head_size]`` view of the
+same memory (a copy, written back, if it is not viewable); 2-D callers take the original path
+untouched. Subclasses that inherit ``forward_cpu`` (linear/NTK/YaRN/Llama-3 scaling ...) are
+covered; those with their own ``forward_cpu`` (M-RoPE) are not touched.
+
+Loading and switching off
+-------------------------
 vLLM imports general plugins in every process (API server, engine core, workers), so this
-module imports nothing from vLLM at import time, and ``register()`` does not import
-``mamba_mixer2`` either (about 4.5 s on a 2-core CPU, wasted in processes that never build a
-Mamba2 layer): when the module is not loaded yet, a one-shot import hook patches it right after
-its first import. ``register()`` is idempotent, and a vLLM whose internals moved (missing
-class, method or spec field) gets one log line and no patch rather than a crash.
+module imports nothing from vLLM at import time, and ``register()`` does not import the patched
+modules either (``mamba_mixer2`` alone takes about 4.5 s on a 2-core CPU, wasted in processes
+that never build a Mamba2 layer): a module not loaded yet is patched by a one-shot import hook
+right after its first import. ``register()`` is idempotent, and a vLLM whose internals moved
+(missing class, method or spec field) gets one log line and no patch rather than a crash.
 ``HIMAMBA_CPU_COMPAT=0`` turns the plugin off.
 """
 
@@ -43,6 +81,7 @@ logger = logging.getLogger("vllm.himamba.cpu_compat")
 
 ENV_DISABLE = "HIMAMBA_CPU_COMPAT"
 MIXER2_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
+ROPE_MODULE = "vllm.model_executor.layers.rotary_embedding.base"
 _PATCH_FLAG = "_himamba_cpu_compat"
 
 
@@ -60,21 +99,35 @@ def register() -> None:
         return
     if not on_cpu:
         return
-    if MIXER2_MODULE in sys.modules:
-        patch_mamba_mixer2()
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    pending = {}
+    for module, patch in _patches().items():
+        if module in sys.modules:
+            patch()
+        else:
+            pending[module] = patch
+    if pending and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(pending))
+
+
+def _patches() -> dict[str, Any]:
+    """Module name -> the function that patches it, for every fix this plugin applies."""
+    return {MIXER2_MODULE: patch_mamba_mixer2, ROPE_MODULE: patch_cpu_rope}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Import hook: run ``patch_mamba_mixer2`` right after ``mamba_mixer2`` is first executed.
+    """Import hook: run a module's patch right after the module is first executed.
 
     It finds the real spec through the other finders and wraps only that module's
-    ``exec_module``, so the module keeps its own loader (source lookups keep working).
+    ``exec_module``, so the module keeps its own loader (source lookups keep working). The hook
+    leaves ``sys.meta_path`` once every module it waits for has been patched.
     """
 
+    def __init__(self, pending: dict[str, Any]) -> None:
+        self.pending = dict(pending)
+
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != MIXER2_MODULE:
+        patch = self.pending.get(fullname)
+        if patch is None:
             return None
         spec = None
         for finder in sys.meta_path:
@@ -90,12 +143,13 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             inner_exec(module)
-            if self in sys.meta_path:
+            self.pending.pop(fullname, None)
+            if not self.pending and self in sys.meta_path:
                 sys.meta_path.remove(self)
             try:
-                patch_mamba_mixer2()
+                patch()
             except Exception as exc:  # never fail the import itself
-                _log_once(f"patching after import failed ({exc!r})")
+                _log_once(f"patching {fullname} after import failed ({exc!r})")
 
         spec.loader.exec_module = exec_module
         return spec
@@ -148,6 +202,79 @@ def without_prefill_checkpoints(spec: Any, mamba_spec_type: type) -> Any:
     except (TypeError, ValueError) as exc:
         _log_once(f"cannot rewrite MambaSpec ({exc!r}); leaving it unchanged")
         return spec
+
+
+def patch_cpu_rope() -> bool:
+    """Wrap ``RotaryEmbedding.forward_cpu``; return True when the wrapper is in place."""
+    try:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    except Exception as exc:
+        _log_once(f"vLLM layout differs ({exc!r}); CPU rotary embedding fix not applied")
+        return False
+
+    original = RotaryEmbedding.__dict__.get("forward_cpu")
+    if original is None:
+        _log_once(
+            "RotaryEmbedding.forward_cpu is missing in this vLLM; CPU rotary embedding fix "
+            "not applied"
+        )
+        return False
+    if getattr(original, _PATCH_FLAG, False):
+        return True
+
+    @functools.wraps(original)
+    def forward_cpu(self: Any, positions: Any, query: Any, key: Any = None) -> Any:
+        if query.dim() <= 2 and (key is None or key.dim() <= 2):
+            return original(self, positions, query, key)
+        return rope_on_token_rows(
+            lambda q, k: original(self, positions, q, k), positions.numel(), query, key
+        )
+
+    setattr(forward_cpu, _PATCH_FLAG, True)
+    RotaryEmbedding.forward_cpu = forward_cpu
+    logger.info(
+        "himamba cpu_compat: CPU rotary embedding gets 3-D query/key as [tokens, heads * "
+        "head_size] (the CPU kernel reads only that layout)"
+    )
+    return True
+
+
+def rope_on_token_rows(apply: Any, num_tokens: int, query: Any, key: Any) -> tuple[Any, Any]:
+    """Run the in-place rotary op ``apply(q, k)`` on ``[num_tokens, -1]`` views of ``query`` and
+    ``key`` and return them in their own shapes.
+
+    A tensor that cannot be viewed that way (non-contiguous heads) goes through a contiguous
+    copy that is written back, so the caller sees the same in-place result either way.
+    """
+    q2, q_copied = _token_rows(query, num_tokens)
+    k2, k_copied = _token_rows(key, num_tokens) if key is not None else (None, False)
+    apply(q2, k2)
+    if q_copied:
+        query.copy_(q2.view(query.shape))
+    if k_copied:
+        key.copy_(k2.view(key.shape))
+    return query, key
+
+
+def _token_rows(t: Any, num_tokens: int) -> tuple[Any, bool]:
+    """``t`` as ``[num_tokens, -1]`` with a unit last stride: a view when possible, else a copy
+    (second item True)."""
+    if t.dim() <= 2 and t.stride(-1) == 1:
+        return t, False
+    try:
+        rows = t.view(num_tokens, -1)
+    except RuntimeError:
+        return t.reshape(num_tokens, -1).contiguous(), True
+    if rows.stride(-1) != 1:
+        return rows.contiguous(), True
+    return rows, False
+
+
+def is_rope_patched() -> bool:
+    """True when ``RotaryEmbedding.forward_cpu`` carries this plugin's wrapper."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    return bool(getattr(RotaryEmbedding.__dict__.get("forward_cpu"), _PATCH_FLAG, False))
 
 
 def is_patched() -> bool:
