@@ -77,6 +77,7 @@ def test_nothing_is_left_locked_or_lost_after_the_run(model_run):
         "inflight_loads": 0,
         "tracked_requests": 0,
         "no_hit_requests": 0,
+        "hit_records": 0,
         "locked_entries": 0,
         "pending_stores": 0,
         "slots_conserved": True,

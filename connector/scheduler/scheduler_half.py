@@ -18,7 +18,7 @@ import os
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from himamba.connector.config import HiMambaConfig
 from himamba.connector.layout import HybridLayout
@@ -31,10 +31,10 @@ from himamba.connector.protocol import (
     check_plan,
 )
 from himamba.connector.scheduler.generations import StorageGenerations
+from himamba.connector.scheduler.host_stores import HostStores, block_hashes, request_partition
 from himamba.connector.scheduler.lora_identity import LoraTags
 from himamba.connector.scheduler.storage_planner import StoragePlanner
 from himamba.connector.tree import HybridRadixTree, LockHandle, MatchResult
-from himamba.mamba_state.state_budget import RequestStates, StateBudget
 from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.storage_config import StorageConfig
 
@@ -63,20 +63,6 @@ class _Pending:
     mamba_slot: int
 
 
-@dataclass
-class _Tracked:
-    request: Request
-    states: RequestStates
-    lora_tag: str = ""
-    next_store_block: int = 0
-
-
-def request_partition(request: Request) -> Hashable:
-    """Requests in different partitions never share entries (salt / LoRA)."""
-    lora = getattr(request, "lora_request", None)
-    return (getattr(request, "cache_salt", None), getattr(lora, "lora_int_id", None))
-
-
 class SchedulerHalf:
     def __init__(
         self,
@@ -98,7 +84,6 @@ class SchedulerHalf:
         self.generations = StorageGenerations()
         self.lora = LoraTags()
         self.storage = storage
-        self._tracked: dict[str, _Tracked] = {}
         self._pending: dict[str, _Pending] = {}
         self._inflight: dict[str, LockHandle] = {}
         self._no_hits: set[str] = set()
@@ -112,12 +97,20 @@ class SchedulerHalf:
         self.check_plans = os.environ.get(CHECK_PLANS_ENV, "0") not in ("", "0")
         self._plan = StepPlan()
         self._stores_unfenced = False
-        self.budget = StateBudget(layout.block_size, config.checkpoint_interval_tokens)
         # Host objects to write to storage this step (selective write-through, write-back),
         # collected while the step is scheduled and handed to the plan at its end.
         self._writes: list[StorageWrite] = []
+        self.stores = HostStores(layout, config, self.tree, self.counters, self.lora)
         # KV-cache events for routers (kv_events.KVEventTracker); None unless vLLM publishes.
-        self.events: KVEventTracker | None = None
+        self._events: KVEventTracker | None = None
+
+    @property
+    def events(self) -> KVEventTracker | None:
+        return self._events
+
+    @events.setter
+    def events(self, tracker: KVEventTracker | None) -> None:
+        self._events = self.stores.events = tracker
 
     def new_planner(self, cfg: StorageConfig, store: ByteStore, world_size: int) -> StoragePlanner:
         """A planner over ``store`` in this scheduler's storage generation (a new planner id;
@@ -163,23 +156,10 @@ class SchedulerHalf:
         self._writes.append(StorageWrite(kind, slot, block_hash, self.lora.tag_of_id(lora_id)))
         return True
 
-    # -- hashing -----------------------------------------------------------------
-    def block_hashes(self, request: Request) -> list[bytes]:
-        """One hash per scheduler block (the last hash inside it chains the whole prefix)."""
-        hashes = request.block_hashes
-        r = self.layout.hashes_per_block
-        if r == 1:
-            return list(hashes)
-        return [hashes[(i + 1) * r - 1] for i in range(len(hashes) // r)]
-
-    def num_hashed_blocks(self, request: Request) -> int:
-        """How many full scheduler blocks have a hash (no copy of the hash list)."""
-        return len(request.block_hashes) // self.layout.hashes_per_block
-
     # -- lookup ------------------------------------------------------------------
     def _hittable(self, request: Request) -> tuple[list[bytes], int]:
         """(block hashes, deepest boundary a hit may reach: never the last prompt token)."""
-        hashes = self.block_hashes(request)
+        hashes = block_hashes(request, self.layout.hashes_per_block)
         return hashes, min(len(hashes), (request.num_tokens - 1) // self.layout.block_size)
 
     def on_new_request(self, request: Request) -> None:
@@ -250,11 +230,7 @@ class SchedulerHalf:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
-        if req_id not in self._tracked:
-            known = self.tree.depth(self.block_hashes(request), request_partition(request))
-            states = self.budget.open(request.num_prompt_tokens, known)
-            tag = self.lora.tag(request.lora_request)
-            self._tracked[req_id] = _Tracked(request, states, lora_tag=tag)
+        self.stores.track(request)
         pending = self._pending.pop(req_id, None)
         if num_external_tokens == 0:
             if pending is not None:
@@ -304,11 +280,7 @@ class SchedulerHalf:
     def build_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
         self.counters["steps"] += 1
-        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        if block_state is not None:
-            finished = set(scheduler_output.finished_req_ids)
-            self._plan_kv_stores(plan, scheduler_output, block_state, finished)
-            self._plan_mamba_stores(plan, block_state.boundary_state_offloads)
+        self.stores.plan(plan, scheduler_output)
         storage = self.storage
         if storage is not None:
             # Before this plan's stores are committed: a fetch reserving slots now can only
@@ -346,100 +318,6 @@ class SchedulerHalf:
             for h in plan.mamba_stores.hashes:
                 storage.wrote(ObjectKind.MAMBA, h)
 
-    def _computed_before_step(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        out.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        return out
-
-    def _plan_kv_stores(
-        self, plan: StepPlan, so: SchedulerOutput, block_state: Any, finished: set[str]
-    ) -> None:
-        bs = self.layout.block_size
-        computed = self._computed_before_step(so)
-        for req_id, num_new in so.num_scheduled_tokens.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is None or req_id in finished or req_id not in computed:
-                continue
-            request = tracked.request
-            # Decide from counts first: most steps of most requests (decode) store nothing,
-            # and this runs for every scheduled request every step.
-            full = min(self.num_hashed_blocks(request), (computed[req_id] + num_new) // bs)
-            if not self.config.store_decode_blocks:
-                full = min(full, request.num_prompt_tokens // bs)
-            if full <= tracked.next_store_block:
-                continue
-            block_ids = block_state.get_block_ids(req_id)
-            if block_ids is None:
-                continue
-            hashes = self.block_hashes(request)
-            part = request_partition(request)
-            attention = [block_ids[g.group_id] for g in self.layout.attention]
-            rolled_back = []
-            events = self.events
-            failures = self.tree.counters["alloc_failures"]
-            start = tracked.next_store_block
-            run = self.tree.reserve_kv_run(hashes, part, start, full)
-            for i, slot in run:
-                group_blocks = [row[i] for row in attention]
-                if any(b == 0 for b in group_blocks):  # no device block to copy from
-                    rolled_back.append(slot)
-                    continue
-                plan.kv_stores.add(slot, group_blocks, hashes[i], tracked.lora_tag)
-                self.counters["kv_blocks_stored"] += 1
-                if events is not None:
-                    events.planned_kv(request, i, hashes[i])
-            if rolled_back:
-                self.tree.complete_store(rolled_back, [], ok=False)
-            if self.tree.counters["alloc_failures"] == failures:
-                tracked.next_store_block = full
-            else:
-                # The tier had no room past the last reserved block: try the rest next step
-                # rather than skip it for good.
-                tracked.next_store_block = run[-1][0] + 1 if run else start
-
-    def _plan_mamba_stores(
-        self, plan: StepPlan, offloads: dict[str, list[tuple[int, int, int]]]
-    ) -> None:
-        bs = self.layout.block_size
-        mamba_groups = [g.group_id for g in self.layout.mamba]
-        for req_id, entries in offloads.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is None:
-                continue
-            by_boundary: dict[int, dict[int, int]] = defaultdict(dict)
-            for group_id, block_id, boundary in entries:
-                by_boundary[boundary][group_id] = block_id
-            hashes = self.block_hashes(tracked.request)
-            part = request_partition(tracked.request)
-            for boundary, per_group in sorted(by_boundary.items()):
-                n = boundary // bs
-                # Partial-tail (sub-block) states are not hittable at block granularity.
-                if boundary % bs or n == 0 or n > len(hashes):
-                    continue
-                if any(per_group.get(g, 0) == 0 for g in mamba_groups):
-                    self.counters["mamba_incomplete_handoffs"] += 1
-                    continue
-                if boundary > tracked.states.prompt_end and not self.config.store_decode_blocks:
-                    # Its KV blocks are not stored: the state alone could never be hit.
-                    self.counters["mamba_states_skipped"] += 1
-                    continue
-                keep, replaces = self.budget.decide(tracked.states, boundary)
-                if not keep:
-                    self.counters["mamba_states_skipped"] += 1
-                    continue
-                slot = self.tree.reserve_mamba(hashes, part, n)
-                if slot is None:
-                    continue  # nothing stored: the budget's book stays as it was
-                blocks = [per_group[g] for g in mamba_groups]
-                plan.mamba_stores.add(slot, blocks, hashes[n - 1], tracked.lora_tag)
-                self.counters["mamba_states_stored"] += 1
-                self.budget.stored(tracked.states, boundary)
-                if self.events is not None:
-                    self.events.planned_state(tracked.request, n, hashes[n - 1])
-                if replaces and self.tree.drop_state(hashes, part, replaces // bs):
-                    self.counters["mamba_states_replaced"] += 1
-
     # -- completion --------------------------------------------------------------
     def on_output(
         self,
@@ -460,13 +338,13 @@ class SchedulerHalf:
                 # Never offer this request a hit again (no retry loop). vLLM may already have
                 # finished it (policy "fail", or an abort in the same step): then there is
                 # nothing to remember.
-                if req_id in self._tracked:
+                if self.stores.is_tracked(req_id):
                     self._no_hits.add(req_id)
 
     def on_finished(self, request: Request) -> None:
         req_id = request.request_id
         self._release_pending(req_id)
-        self._tracked.pop(req_id, None)
+        self.stores.forget(req_id)
         self._no_hits.discard(req_id)
         self._hit_counted.discard(req_id)
         self._hit_split.pop(req_id, None)
@@ -524,7 +402,7 @@ class SchedulerHalf:
         report: dict[str, int | bool] = {
             "pending_hits": len(self._pending),
             "inflight_loads": len(self._inflight),
-            "tracked_requests": len(self._tracked),
+            "tracked_requests": len(self.stores),
             "no_hit_requests": len(self._no_hits),
             "hit_records": len(self._hit_counted) + len(self._hit_split),
             "locked_entries": len(self.tree.handles),

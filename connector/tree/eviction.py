@@ -70,21 +70,23 @@ class EvictionPolicy:
         Marks pass ``kv=False``: knowing a block is on GPU or in storage says nothing about
         whether its host copy was useful, so it must not reorder host eviction."""
         self._clock += 1
-        stamp = self._clock
+        stamp = clock = self._clock
         track, lru = self.track_trim, self.kv_lru
+        to_end = lru.move_to_end
         x = node
         while x.parent is not None:
             if kv:
-                if kv_evictable(x):
-                    self._clock += 1
-                    x.kv_access = self._clock
+                if x.n_host and not x.kv_lock and not x.n_pend:  # kv_evictable, inlined
+                    clock += 1
+                    x.kv_access = clock
                     lru[x] = None
-                    lru.move_to_end(x)
-                else:
-                    lru.pop(x, None)
+                    to_end(x)
+                elif x in lru:
+                    del lru[x]
             if track:
                 x.seen = stamp
             x = x.parent
+        self._clock = clock
         if track:
             self.offer(node)
 

@@ -146,7 +146,7 @@ class Node:
         if self.slots is None:
             if slot == NO_SLOT:
                 return
-            self.slots = array("q", [NO_SLOT]) * len(self.hashes)
+            self.slots = array("i", [NO_SLOT]) * len(self.hashes)  # 4 bytes a block
         self.slots[i] = slot
 
     def slot(self, i: int) -> int:

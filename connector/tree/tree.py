@@ -176,58 +176,74 @@ class HybridRadixTree:
         res = MatchResult(0, start_block, partition)
         doomed = self.forest.doomed
         node = self.forest.roots.get(partition)
-        best = best_host = None
+        walked: list[Node] = []  # the nodes matched whole, top-down
+        best = best_host = -1  # their indexes in ``walked``
+        boundaries = res.boundaries
         pos, all_host = 0, True
         while node is not None and pos < limit:
             child = node.children.get(hashes[pos])
             if child is None or (doomed and child in doomed):
                 break
-            size = len(child.hashes)
-            k = common_prefix(child.hashes, hashes, pos, min(size, limit - pos))
+            ch = child.hashes
+            size = k = len(ch)
+            if k > limit - pos:
+                k = limit - pos
+            if ch[k - 1] != hashes[pos + k - 1]:  # chained hashes: the last one decides
+                k = common_prefix(ch, hashes, pos, k)
             lo = start_block - pos
-            if lo < k and child.n_load != size:
-                i, flags = max(lo, 0), child.flags
-                while i < k and flags[i] & LOADABLE:
-                    i += 1
-                if i < k:
-                    break
-            if all_host and lo < k and child.n_host != size:
-                all_host = all(f & HOST for f in child.flags[max(lo, 0) : k])
+            if lo < k:
+                if child.n_load != size:
+                    i, flags = max(lo, 0), child.flags
+                    while i < k and flags[i] & LOADABLE:
+                        i += 1
+                    if i < k:
+                        break
+                if all_host and child.n_host != size:
+                    all_host = all(f & HOST for f in child.flags[max(lo, 0) : k])
             if k < size:
                 break
             pos += size
             node = child
-            if pos > start_block and child.mamba & LOADABLE:
-                on_host = bool(child.mamba & HOST)
-                res.boundaries.append((pos, on_host))
-                best = child
+            walked.append(child)
+            m = child.mamba
+            if m & LOADABLE and pos > start_block:
+                on_host = bool(m & HOST)
+                boundaries.append((pos, on_host))
+                best = len(walked) - 1
                 if all_host and on_host:
-                    best_host = child
-        if best is None:
+                    best_host = best
+        if best < 0:
             self.counters["misses"] += 1
             return res
         self.counters["hits"] += 1
-        res.num_blocks, res._node = best.end, best
-        if best_host is not None:
-            res.host_num_blocks, res._host_node = best_host.end, best_host
-        if best.mamba & HOST:
-            res.mamba_slot = best.mamba_slot
-            self.policy.sync_mamba(best, touch=True)
+        hit = walked[best]
+        res.num_blocks, res._node = boundaries[-1][0], hit
+        if best_host >= 0:
+            host_hit = walked[best_host]
+            res.host_num_blocks, res._host_node = host_hit.end, host_hit
+        if hit.mamba & HOST:
+            res.mamba_slot = hit.mamba_slot
+            self.policy.sync_mamba(hit, touch=True)
         else:
             res.mamba_in_storage = True
-        path: list[Node] = []
-        x: Node = best
-        while x.parent is not None and x.end > start_block:
-            path.append(x)
-            x = x.parent
-        for x in reversed(path):
-            for i in range(max(start_block - x.start, 0), len(x.hashes)):
-                if x.flags[i] & HOST:
-                    res.kv_slots.append(x.slots[i])  # type: ignore[index]
+        kv, storage = res.kv_slots, res.storage_blocks
+        for x in walked[: best + 1]:
+            first, n = start_block - x.start, len(x.hashes)
+            if first >= n:
+                continue  # vLLM's own GPU hit
+            first = max(first, 0)
+            slots = x.slots
+            if x.n_host == n:  # all on host: the slots as they are, in C
+                kv.extend(slots if first == 0 else slots[first:])  # type: ignore[arg-type]
+                continue
+            flags, start = x.flags, x.start
+            for i in range(first, n):
+                if flags[i] & HOST:
+                    kv.append(slots[i])  # type: ignore[index]
                 else:
-                    res.kv_slots.append(NO_SLOT)
-                    res.storage_blocks.append(x.start + i)
-        self.policy.touch_path(best)
+                    kv.append(NO_SLOT)
+                    storage.append(start + i)
+        self.policy.touch_path(hit)
         return res
 
     def depth(self, hashes: Sequence[bytes], partition: Hashable) -> int:

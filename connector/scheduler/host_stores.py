@@ -1,0 +1,197 @@
+"""Device -> host stores: which new full blocks and which Mamba states of each running request
+the CPU tier takes this step, and into which reserved host slots.
+
+Its own object because it owns its own state: per request, how far its blocks were stored
+and which Mamba states the state budget keeps (``mamba_state.state_budget``). The scheduler
+half asks it once per step (``plan``) and tells it when a request starts and ends.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from himamba.connector.config import HiMambaConfig
+from himamba.connector.layout import HybridLayout
+from himamba.connector.protocol import StepPlan
+from himamba.connector.scheduler.lora_identity import LoraTags
+from himamba.connector.tree import HybridRadixTree
+from himamba.mamba_state.state_budget import RequestStates, StateBudget
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from himamba.connector.observability.kv_events import KVEventTracker
+
+
+def block_hashes(request: Request, per_block: int) -> list[bytes]:
+    """One hash per scheduler block (the last hash inside it chains the whole prefix)."""
+    hashes = request.block_hashes
+    if per_block == 1:
+        return list(hashes)
+    return [hashes[(i + 1) * per_block - 1] for i in range(len(hashes) // per_block)]
+
+
+def num_hashed_blocks(request: Request, per_block: int) -> int:
+    """How many full scheduler blocks have a hash (no copy of the hash list)."""
+    return len(request.block_hashes) // per_block
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    states: RequestStates
+    lora_tag: str = ""
+    next_store_block: int = 0
+
+
+def request_partition(request: Request) -> Hashable:
+    """Requests in different partitions never share entries (salt / LoRA)."""
+    lora = getattr(request, "lora_request", None)
+    return (getattr(request, "cache_salt", None), getattr(lora, "lora_int_id", None))
+
+
+class HostStores:
+    def __init__(
+        self,
+        layout: HybridLayout,
+        config: HiMambaConfig,
+        tree: HybridRadixTree,
+        counters: defaultdict[str, int],
+        lora: LoraTags,
+    ) -> None:
+        self.layout = layout
+        self.config = config
+        self.tree = tree
+        self.counters = counters
+        self.lora = lora
+        self.budget = StateBudget(layout.block_size, config.checkpoint_interval_tokens)
+        self.events: KVEventTracker | None = None
+        self._tracked: dict[str, _Tracked] = {}
+
+    def track(self, request: Request) -> None:
+        """The request was scheduled: from now on its new blocks and states may be stored."""
+        if request.request_id in self._tracked:
+            return
+        per_block = self.layout.hashes_per_block
+        known = self.tree.depth(block_hashes(request, per_block), request_partition(request))
+        states = self.budget.open(request.num_prompt_tokens, known)
+        tag = self.lora.tag(request.lora_request)
+        self._tracked[request.request_id] = _Tracked(request, states, lora_tag=tag)
+
+    def is_tracked(self, req_id: str) -> bool:
+        return req_id in self._tracked
+
+    def forget(self, req_id: str) -> None:
+        self._tracked.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._tracked)
+
+    def plan(self, plan: StepPlan, scheduler_output: SchedulerOutput) -> None:
+        """Reserve host slots for this step's stores and add them to ``plan``."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if block_state is None:
+            return
+        finished = set(scheduler_output.finished_req_ids)
+        self._plan_kv(plan, scheduler_output, block_state, finished)
+        self._plan_mamba(plan, block_state.boundary_state_offloads)
+
+    @staticmethod
+    def _computed_before_step(scheduler_output: SchedulerOutput) -> dict[str, int]:
+        out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        out.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        return out
+
+    def _plan_kv(
+        self, plan: StepPlan, so: SchedulerOutput, block_state: Any, finished: set[str]
+    ) -> None:
+        bs = self.layout.block_size
+        computed = self._computed_before_step(so)
+        for req_id, num_new in so.num_scheduled_tokens.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None or req_id in finished or req_id not in computed:
+                continue
+            request = tracked.request
+            # Decide from counts first: most steps of most requests (decode) store nothing,
+            # and this runs for every scheduled request every step.
+            full = min(
+                num_hashed_blocks(request, self.layout.hashes_per_block),
+                (computed[req_id] + num_new) // bs,
+            )
+            if not self.config.store_decode_blocks:
+                full = min(full, request.num_prompt_tokens // bs)
+            if full <= tracked.next_store_block:
+                continue
+            block_ids = block_state.get_block_ids(req_id)
+            if block_ids is None:
+                continue
+            hashes = block_hashes(request, self.layout.hashes_per_block)
+            part = request_partition(request)
+            attention = [block_ids[g.group_id] for g in self.layout.attention]
+            rolled_back = []
+            events = self.events
+            failures = self.tree.counters["alloc_failures"]
+            start = tracked.next_store_block
+            run = self.tree.reserve_kv_run(hashes, part, start, full)
+            for i, slot in run:
+                group_blocks = [row[i] for row in attention]
+                if any(b == 0 for b in group_blocks):  # no device block to copy from
+                    rolled_back.append(slot)
+                    continue
+                plan.kv_stores.add(slot, group_blocks, hashes[i], tracked.lora_tag)
+                self.counters["kv_blocks_stored"] += 1
+                if events is not None:
+                    events.planned_kv(request, i, hashes[i])
+            if rolled_back:
+                self.tree.complete_store(rolled_back, [], ok=False)
+            if self.tree.counters["alloc_failures"] == failures:
+                tracked.next_store_block = full
+            else:
+                # The tier had no room past the last reserved block: try the rest next step
+                # rather than skip it for good.
+                tracked.next_store_block = run[-1][0] + 1 if run else start
+
+    def _plan_mamba(self, plan: StepPlan, offloads: dict[str, list[tuple[int, int, int]]]) -> None:
+        bs = self.layout.block_size
+        mamba_groups = [g.group_id for g in self.layout.mamba]
+        for req_id, entries in offloads.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            by_boundary: dict[int, dict[int, int]] = defaultdict(dict)
+            for group_id, block_id, boundary in entries:
+                by_boundary[boundary][group_id] = block_id
+            hashes = block_hashes(tracked.request, self.layout.hashes_per_block)
+            part = request_partition(tracked.request)
+            for boundary, per_group in sorted(by_boundary.items()):
+                n = boundary // bs
+                # Partial-tail (sub-block) states are not hittable at block granularity.
+                if boundary % bs or n == 0 or n > len(hashes):
+                    continue
+                if any(per_group.get(g, 0) == 0 for g in mamba_groups):
+                    self.counters["mamba_incomplete_handoffs"] += 1
+                    continue
+                if boundary > tracked.states.prompt_end and not self.config.store_decode_blocks:
+                    # Its KV blocks are not stored: the state alone could never be hit.
+                    self.counters["mamba_states_skipped"] += 1
+                    continue
+                keep, replaces = self.budget.decide(tracked.states, boundary)
+                if not keep:
+                    self.counters["mamba_states_skipped"] += 1
+                    continue
+                slot = self.tree.reserve_mamba(hashes, part, n)
+                if slot is None:
+                    continue  # nothing stored: the budget's book stays as it was
+                blocks = [per_group[g] for g in mamba_groups]
+                plan.mamba_stores.add(slot, blocks, hashes[n - 1], tracked.lora_tag)
+                self.counters["mamba_states_stored"] += 1
+                self.budget.stored(tracked.states, boundary)
+                if self.events is not None:
+                    self.events.planned_state(tracked.request, n, hashes[n - 1])
+                if replaces and self.tree.drop_state(hashes, part, replaces // bs):
+                    self.counters["mamba_states_replaced"] += 1
