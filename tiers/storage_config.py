@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from .cluster_url import cluster_adapter_spec, is_cluster_url
 from .object_format import CHECKSUM_ALGOS  # struct/hashlib only: no LMCache, no torch
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -258,11 +259,14 @@ def prefetch_deadline_s(cfg: StorageConfig, num_tokens: int) -> float:
 
 
 def adapter_spec_from_url(url: Any, num_workers: int = 4) -> dict[str, Any]:
-    """`file:///p` or `/p` -> fs_native spec; `redis://[user:pass@]host[:port][/0]` -> resp spec."""
+    """`file:///p` or `/p` -> fs_native spec; `redis://[user:pass@]host[:port][/0]` -> resp spec;
+    `redis+cluster://` / `valkey+cluster://` seed lists -> the valkey adapter in cluster mode."""
     if not isinstance(url, str) or not url:
         raise _err("url", f"expected a non-empty string, got {url!r}")
     if url.startswith("/"):
         return _fs_spec(url, num_workers)
+    if is_cluster_url(url):  # before urlsplit: a seed list has no single port
+        return cluster_adapter_spec(url, num_workers)
     shown = redacted_url(url)  # errors must not echo a password
     parts = urlsplit(url)
     scheme = parts.scheme.lower()

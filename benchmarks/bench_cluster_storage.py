@@ -1,0 +1,140 @@
+"""Storage throughput through a Redis Cluster (LMCache `valkey` adapter, cluster mode) vs a
+standalone Redis (LMCache `resp` adapter) vs raw redis-py GET/SET of the same bytes.
+
+N objects of S bytes (default 256 x 1 MiB, random) go through our `LMCacheStore` (staging copy,
+header, checksum, adapter) exactly as `bench_storage.py` measures it, on:
+
+- `cluster`: a 3-node Redis Cluster on loopback (tests/harness/redis_cluster.py), through
+  `redis+cluster://` -> the `valkey` adapter (Valkey GLIDE's cluster client);
+- `valkey_standalone`: the same `valkey` adapter on one standalone redis-server (isolates
+  GLIDE's cost from the cluster's);
+- `resp`: LMCache's native RESP adapter on that standalone server (what `redis://` uses);
+- `raw_redis_py` / `raw_redis_py_cluster`: a redis-py pipeline of SET/GET of the same bytes on
+  the standalone server / redis-py's cluster pipeline on the cluster (the references).
+
+All servers run in this process's run, no persistence; reps interleaved, best of `--reps`.
+Ratios: ours / reference. On a small VM the redis-servers, the client threads and the
+checksum share the same cores, so absolute GB/s say more about the box than the store.
+
+    python benchmarks/bench_cluster_storage.py               # ~1 min on a 2-core VM
+    python benchmarks/bench_cluster_storage.py --objects 64  # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from bench_storage import StoreRun, _gbps, _ratio, _timed, raw_redis_rep  # noqa: E402
+
+from himamba.tiers.cluster_url import cluster_adapter_spec  # noqa: E402
+
+
+def raw_cluster_rep(cluster, rep: int, objs: list[torch.Tensor]) -> tuple[float, float]:
+    c = cluster.client()
+    dsts = [torch.zeros_like(o) for o in objs]
+    keys = [f"raw{rep}:{i}" for i in range(len(objs))]
+
+    def write() -> None:
+        p = c.pipeline(transaction=False)
+        for k, o in zip(keys, objs, strict=True):
+            p.set(k, o.numpy().tobytes())
+        p.execute()
+
+    def read() -> None:
+        p = c.pipeline(transaction=False)
+        for k in keys:
+            p.get(k)
+        for v, o in zip(p.execute(), dsts, strict=True):
+            o.numpy()[:] = memoryview(v)
+
+    tw, tr = _timed(write), _timed(read)
+    assert all(torch.equal(a, b) for a, b in zip(dsts, objs, strict=True))
+    for k in keys:
+        c.delete(k)
+    c.close()
+    return tw, tr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--objects", type=int, default=256)
+    ap.add_argument("--object-kib", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=32, help="objects per submitted task")
+    ap.add_argument("--reps", type=int, default=3, help="best of (interleaved reps)")
+    ap.add_argument("--checksum", default=None, help="storage.checksum (default: the config's)")
+    args = ap.parse_args()
+    from harness.redis_cluster import RedisCluster
+    from storage_fixtures import RedisServer
+
+    if shutil.which("redis-server") is None:
+        sys.exit("redis-server not installed (apt-get install -y redis-server)")
+    g = torch.Generator().manual_seed(0)
+    n = args.object_kib << 10
+    objs = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for _ in range(args.objects)
+    ]
+    total = sum(o.nbytes for o in objs)
+    root = Path(tempfile.mkdtemp(prefix="bench_cluster_"))
+    out: dict = {"objects": args.objects, "object_bytes": n, "batch": args.batch, "reps": args.reps}
+    srv = cluster = None
+    runs: dict = {}
+    try:
+        (root / "standalone").mkdir()
+        srv = RedisServer(root / "standalone")
+        srv.start()
+        cluster = RedisCluster(root / "cluster")
+        cluster.start()
+        standalone_valkey = {
+            "type": "valkey",
+            "startup_nodes": f"{srv.host}:{srv.port}",
+            "num_workers": 4,
+        }
+        runs = {
+            "raw_redis_py": lambda r: raw_redis_rep(srv, r, objs),
+            "raw_redis_py_cluster": lambda r: raw_cluster_rep(cluster, r, objs),
+            "resp": StoreRun(srv.url, total, args.checksum),
+            "valkey_standalone": StoreRun(standalone_valkey, total, args.checksum),
+            "cluster": StoreRun(cluster_adapter_spec(cluster.url), total, args.checksum),
+        }
+        best: dict = {k: [float("inf"), float("inf")] for k in runs}
+        for rep in range(args.reps):
+            for name, r in runs.items():
+                tw, tr = r.rep(rep, objs, args.batch) if isinstance(r, StoreRun) else r(rep)
+                best[name] = [min(best[name][0], tw), min(best[name][1], tr)]
+        for name, (tw, tr) in best.items():
+            out[name] = {"write_GBps": _gbps(total, tw), "read_GBps": _gbps(total, tr)}
+        out["cluster"]["vs_resp"] = _ratio(out["cluster"], out["resp"])
+        out["cluster"]["vs_raw_redis_py_cluster"] = _ratio(
+            out["cluster"], out["raw_redis_py_cluster"]
+        )
+        out["cluster"]["vs_raw_redis_py"] = _ratio(out["cluster"], out["raw_redis_py"])
+        out["valkey_standalone"]["vs_resp"] = _ratio(out["valkey_standalone"], out["resp"])
+        out["resp"]["vs_raw_redis_py"] = _ratio(out["resp"], out["raw_redis_py"])
+        out["keys_per_node_after"] = cluster.keys_per_node()
+    finally:
+        for r in runs.values():
+            if isinstance(r, StoreRun):
+                r.close()
+        if cluster is not None:
+            cluster.stop()
+        if srv is not None:
+            srv.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    out["cpus"] = os.cpu_count()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""A fleet of two OpenAI-server replicas behind a round-robin client: private tiers vs one
+shared Redis Cluster.
+
+Two replicas of the tiny hybrid run side by side (each its own ``vllm.entrypoints.openai``
+process group). N conversations of R turns share one system prompt; turn t of conversation c
+goes to replica (c + t - 1) mod 2, so consecutive turns of a conversation always land on
+different replicas (what a load balancer without session affinity does). Configurations, each
+with both replicas started fresh:
+
+- ``no_connector``: vLLM alone (the device cache only; the replicas share nothing);
+- ``private_cpu``: himamba with a CPU tier per replica (turn t+1 finds turn t only if it comes
+  back to the replica that served turn t-1, i.e. up to the end of turn t-1);
+- ``shared_cluster``: himamba with a small CPU tier and storage on a 3-node Redis Cluster on
+  loopback (``redis+cluster://`` -> LMCache's ``valkey`` adapter), shared by both replicas:
+  turn t+1 hits what the other replica wrote at turn t.
+
+Measured per turn: client TTFT (first streamed token), ``cached_tokens`` from the usage, and
+the replicas' ``vllm:himamba_hit_tokens{tier}`` deltas. Tokens must be identical across
+configurations (exit status 1 otherwise). Goal: turns >= 2, median TTFT of shared_cluster
+<= 0.5x private_cpu.
+
+    python benchmarks/bench_fleet.py --out /tmp/fleet.json --plot /tmp/fleet.png   # ~6 min, 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from multiturn_server import Server, ServerSettings, stop_process_group  # noqa: E402
+from multiturn_workload import Workload, stream_completion  # noqa: E402
+
+CONFIGS = ("no_connector", "private_cpu", "shared_cluster")
+GOAL = 0.5
+REPLICAS = 2
+
+
+def kv_config(config: str, cluster_url: str | None, a: argparse.Namespace) -> dict | None:
+    if config == "no_connector":
+        return None
+    extra: dict[str, Any] = {"cpu_cache_gb": a.cpu_cache_gb}
+    if config == "shared_cluster":
+        from himamba.tiers.cluster_url import cluster_adapter_spec
+
+        assert cluster_url is not None
+        # The adapter spec, not the URL: works whether or not storage_config.py routes
+        # cluster URLs yet (the spec is exactly what the URL maps to).
+        extra = {
+            "cpu_cache_gb": a.storage_cpu_cache_gb,
+            "storage": {"adapter": cluster_adapter_spec(cluster_url)},
+        }
+    return {
+        "kv_connector": "HiMambaConnector",
+        "kv_connector_module_path": "himamba.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+_HIT = re.compile(r'^vllm:himamba_hit_tokens(?:_total)?\{[^}]*tier="(\w+)"[^}]*\} ([0-9.eE+-]+)$')
+
+
+def tier_hits(server: Server) -> dict[str, float]:
+    text = requests.get(f"{server.base}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _HIT.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def run_config(
+    config: str, servers: list[Server], w: Workload, a: argparse.Namespace
+) -> dict[str, Any]:
+    """Every conversation, turn by turn (all conversations finish turn t before turn t+1)."""
+    records: list[dict[str, Any]] = []
+    hits_per_turn: list[dict[str, float]] = []
+    lock = threading.Lock()
+    history = {c: w.system_prompt() for c in range(w.conversations)}
+
+    def snapshot() -> dict[str, float]:
+        total: dict[str, float] = {}
+        for s in servers:
+            for k, v in tier_hits(s).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    before = snapshot()
+    for turn in range(1, w.turns + 1):
+
+        def client(idx: int, turn: int = turn) -> None:
+            with requests.Session() as session:
+                for c in range(w.conversations):
+                    if w.owner(c) != idx:
+                        continue
+                    replica = (c + turn - 1) % len(servers)
+                    prompt = history[c] + w.user_message(c, turn)
+                    out = stream_completion(session, servers[replica].base, prompt, w.output_tokens)
+                    history[c] = prompt + out["tokens"]
+                    with lock:
+                        records.append(
+                            {
+                                "config": config,
+                                "conversation": c,
+                                "turn": turn,
+                                "replica": replica,
+                                "prompt_tokens": len(prompt),
+                                "ttft_s": out["ttft_s"],
+                                "cached_tokens": out["cached_tokens"],
+                                "tokens": out["tokens"],
+                            }
+                        )
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(w.clients)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if a.settle_s:
+            time.sleep(a.settle_s)  # write-through lands before the next turn asks for it
+        after = snapshot()
+        hits_per_turn.append({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
+        before = after
+    records.sort(key=lambda r: (r["turn"], r["conversation"]))
+    return {"records": records, "tier_hits_per_turn": hits_per_turn}
+
+
+def summarize(results: dict[str, Any], turns: int) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for config, res in results.items():
+        rows = {}
+        for t in range(1, turns + 1):
+            recs = [r for r in res["records"] if r["turn"] == t]
+            if not recs:
+                continue
+            rows[t] = {
+                "ttft_median_s": round(statistics.median(r["ttft_s"] for r in recs), 4),
+                "ttft_max_s": round(max(r["ttft_s"] for r in recs), 4),
+                "cached_median": statistics.median(r["cached_tokens"] or 0 for r in recs),
+                "prompt_median": statistics.median(r["prompt_tokens"] for r in recs),
+                "tier_hits": res["tier_hits_per_turn"][t - 1],
+            }
+        later = [r["ttft_s"] for r in res["records"] if r["turn"] >= 2]
+        table[config] = {
+            "per_turn": rows,
+            "ttft_median_turns_ge2_s": round(statistics.median(later), 4) if later else None,
+        }
+    ratio = None
+    if "shared_cluster" in table and "private_cpu" in table:
+        s, p = (table[k]["ttft_median_turns_ge2_s"] for k in ("shared_cluster", "private_cpu"))
+        ratio = round(s / p, 3) if s and p else None
+    ref_name = next(iter(results))
+    ref = {(r["conversation"], r["turn"]): r["tokens"] for r in results[ref_name]["records"]}
+    mismatches = [
+        {"config": k, "conversation": r["conversation"], "turn": r["turn"]}
+        for k, res in results.items()
+        for r in res["records"]
+        if ref.get((r["conversation"], r["turn"])) != r["tokens"]
+    ]
+    return {
+        "table": table,
+        "shared_vs_private_ttft_ratio_turns_ge2": ratio,
+        "goal": GOAL,
+        "goal_met": ratio is not None and ratio <= GOAL,
+        "token_mismatches": mismatches,
+        "tokens_identical": not mismatches,
+    }
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for config, row in summary["table"].items():
+        turns = sorted(int(t) for t in row["per_turn"])
+        ax.plot(
+            turns,
+            [row["per_turn"][t]["ttft_median_s"] * 1e3 for t in turns],
+            marker="o",
+            label=config,
+        )
+    ax.set_xticks(sorted({int(t) for row in summary["table"].values() for t in row["per_turn"]}))
+    ax.set_xlabel("turn (consecutive turns on different replicas)")
+    ax.set_ylabel("median TTFT (ms)")
+    ax.set_title(f"2 replicas, round-robin; shared/private (turns>=2) = "
+                 f"{summary['shared_vs_private_ttft_ratio_turns_ge2']}")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--conversations", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--system-tokens", type=int, default=256)
+    ap.add_argument("--first-user-tokens", type=int, default=1024)
+    ap.add_argument("--user-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--cpu-cache-gb", type=float, default=0.25)
+    ap.add_argument("--storage-cpu-cache-gb", type=float, default=0.05)
+    ap.add_argument("--device-blocks", type=int, default=0, help="0: 2 max-length requests")
+    ap.add_argument("--settle-s", type=float, default=0.5, help="pause between turns")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path)
+    a = ap.parse_args(argv)
+    from bench_cpu_tier import build_model
+    from harness.redis_cluster import RedisCluster
+
+    w = Workload(
+        a.conversations,
+        a.turns,
+        a.clients,
+        a.system_tokens,
+        a.first_user_tokens,
+        a.user_tokens,
+        a.output_tokens,
+        a.seed,
+    )
+    model = build_model("tiny")
+    max_len = 128 * math.ceil((w.final_prompt_tokens() + w.output_tokens + 8) / 128)
+    # Enough device blocks for the requests in flight, not for every conversation: a later
+    # turn can only hit through a connector tier (128-token blocks, +2 per request for Mamba).
+    blocks = a.device_blocks or w.clients * (max_len // 128 + 2) + 1
+    settings = ServerSettings(model, max_len, w.clients, blocks)
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="bench_fleet_"))
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    meta: dict[str, Any] = {"workload": w.__dict__, "device_blocks": blocks, "max_len": max_len}
+    for config in a.configs.split(","):
+        cluster = None
+        servers: list[Server] = []
+        try:
+            if config == "shared_cluster":
+                shutil.rmtree(work / "cluster", ignore_errors=True)
+                cluster = RedisCluster(work / "cluster")
+                cluster.start()
+            kv = kv_config(config, cluster.url if cluster else None, a)
+            for r in range(REPLICAS):  # one at a time: two start-ups at once starve 2 cores
+                servers.append(Server.start(settings, kv, work / f"{config}-r{r}.log"))
+            info = servers[0].cache_info()
+            meta.setdefault("block_size", info.get("block_size"))
+            for s in servers:  # first-call costs off the clock; shares no prefix
+                with requests.Session() as sess:
+                    stream_completion(sess, s.base, list(range(3, 3 + 130)), 2)
+            t0 = time.perf_counter()
+            results[config] = run_config(config, servers, w, a)
+            results[config]["wall_s"] = round(time.perf_counter() - t0, 2)
+            if cluster is not None:
+                results[config]["keys_per_node"] = cluster.keys_per_node()
+            print(f"{config}: done in {results[config]['wall_s']} s", file=sys.stderr)
+        finally:
+            for s in servers:
+                stop_process_group(s.proc)
+            if cluster is not None:
+                cluster.stop()
+    summary = summarize(results, w.turns)
+    out = {"meta": meta, "summary": summary, "results": results}
+    print(json.dumps({"meta": meta, **summary}, indent=1))
+    if a.out:
+        a.out.write_text(json.dumps(out, indent=1))
+    if a.plot:
+        try:
+            plot(summary, a.plot)
+        except ImportError:
+            print("no matplotlib: pip install 'himamba[bench]'", file=sys.stderr)
+    return 0 if summary["tokens_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""A fleet of engines on one Redis Cluster (issue #16): real vLLM CPU engines, a real 3-node
+cluster on loopback, tokens compared with an engine that has no connector.
+
+The cluster is reached through LMCache's `valkey` adapter in cluster mode (what a
+`redis+cluster://` URL maps to, `tiers/cluster_url.py`). This file is also the script of its
+own multi-process scenarios (`python test_cluster.py NAME JSON`), each engine in a fresh
+process like tests/scenarios.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from scenarios import prompt  # noqa: E402
+
+pytestmark = [pytest.mark.e2e]
+pytest_plugins = ("harness.redis_cluster",)  # redis_cluster
+
+A_LEN, B_LEN = 1000, 700
+
+
+def _glide_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("glide_sync") is not None
+
+
+needs_cluster = pytest.mark.skipif(
+    not (shutil.which("redis-server") and shutil.which("redis-cli") and _glide_installed()),
+    reason="needs redis-server/redis-cli and valkey-glide-sync (pip install 'himamba[cluster]')",
+)
+
+
+def hit(prompt_len: int, block_size: int) -> int:
+    """Deepest hittable boundary: the last prompt token is always recomputed."""
+    return (prompt_len - 1) // block_size * block_size
+
+
+def cluster_extra(seeds_url: str, **storage: Any) -> dict[str, Any]:
+    from himamba.tiers.cluster_url import cluster_adapter_spec
+
+    return {
+        "cpu_cache_gb": 0.05,
+        "storage": {"adapter": cluster_adapter_spec(seeds_url), **storage},
+    }
+
+
+def run_here(name: str, args: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+    """One scenario of this file in a fresh interpreter."""
+    proc = subprocess.run(
+        [sys.executable, __file__, name, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
+    raise AssertionError(f"scenario {name} failed (rc={proc.returncode}):\n{tail}")
+
+
+# -- fixtures -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return [prompt(41, A_LEN), prompt(42, B_LEN), prompt(43, A_LEN)]
+
+
+@pytest.fixture(scope="module")
+def baseline_run(granite_model: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    """One engine with no connector: the long prompts, then the short ones (their length
+    depends on the block size this very engine reports)."""
+    return run_here("baseline_two_phase", {"model": str(granite_model), "prompts": prompts})
+
+
+@pytest.fixture(scope="module")
+def reference(baseline_run: dict[str, Any]) -> list[list[int]]:
+    return [o["tokens"] for o in baseline_run["single"]]
+
+
+@pytest.fixture(scope="module")
+def short_prompts(baseline_run: dict[str, Any]) -> list[list[int]]:
+    return baseline_run["short_prompts"]
+
+
+@pytest.fixture(scope="module")
+def short_reference(baseline_run: dict[str, Any]) -> list[list[int]]:
+    return [o["tokens"] for o in baseline_run["short"]]
+
+
+@pytest.fixture(scope="module")
+def block(baseline_run: dict[str, Any]) -> int:
+    return int(baseline_run["block_size"])
+
+
+# -- tests ----------------------------------------------------------------------------------
+@needs_cluster
+def test_fresh_engine_hits_what_an_exited_engine_stored_in_the_cluster(
+    granite_model, prompts, reference, block, redis_cluster
+):
+    from engine import run_scenario
+
+    args = {"model": str(granite_model), "prompts": prompts[:2]}
+    args["extra"] = cluster_extra(redis_cluster.url)
+    wrote = run_scenario("storage_writer", args)
+    assert [o["tokens"] for o in wrote["outs"]] == reference[:2]
+    assert wrote["worker"]["storage_puts_ok"] > 0
+    per_node = redis_cluster.keys_per_node()
+    assert sum(1 for n in per_node if n > 0) == 3, per_node  # objects spread over every node
+    read = run_scenario("storage_reader", args)
+    assert [o["cached"] for o in read["outs"]] == [hit(A_LEN, block), hit(B_LEN, block)]
+    assert [o["tokens"] for o in read["outs"]] == reference[:2]
+    assert read["stats"]["storage_fetches"] == 2
+    assert read["leaks"]["locked_entries"] == 0 and read["leaks"]["slots_conserved"]
+
+
+@needs_cluster
+def test_serving_replica_hits_a_prefix_another_live_replica_just_computed(
+    granite_model, prompts, reference, block, redis_cluster, tmp_path
+):
+    common = {
+        "model": str(granite_model),
+        "extra": cluster_extra(redis_cluster.url),
+        "sync": str(tmp_path),
+        "shared": prompts[0],
+        "warmup": prompts[1],
+    }
+    # Replica B starts first and serves its own traffic; replica A computes the shared
+    # prefix only once B is serving, and B asks for it right after A's write-through landed.
+    b = subprocess.Popen(
+        [sys.executable, __file__, "fleet_replica", json.dumps({**common, "role": "b"})],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
+    try:
+        a = run_here("fleet_replica", {**common, "role": "a"})
+        out, err = b.communicate(timeout=300)
+    finally:
+        if b.poll() is None:
+            b.kill()
+            b.wait()
+    res = next((json.loads(x[7:]) for x in out.splitlines() if x.startswith("RESULT ")), None)
+    assert res is not None, f"replica b failed:\n{out[-2000:]}\n{err[-4000:]}"
+    assert a["shared"]["cached"] == 0 and a["shared"]["tokens"] == reference[0]
+    assert res["warmup"]["tokens"] == reference[1]
+    assert res["waited_s"] < 120
+    assert res["shared"]["cached"] == hit(A_LEN, block)
+    assert res["shared"]["tokens"] == reference[0]
+    assert res["stats"]["storage_fetches"] == 1
+    assert res["leaks"]["locked_entries"] == 0
+
+
+@needs_cluster
+def test_one_dead_node_keeps_every_request_exact_and_its_keys_return_after_restart(
+    granite_model, short_prompts, short_reference, block, tmp_path
+):
+    reference = short_reference
+    out = run_here(
+        "node_outage",
+        {
+            "model": str(granite_model),
+            "prompts": short_prompts,
+            "workdir": str(tmp_path),
+            "storage": {"breaker_cooldown_s": 1.0, "probe_interval_s": 1.0},
+        },
+    )
+    full = hit(block + 1, block)
+    assert [o["tokens"] for o in out["cold"]] == reference
+    assert [o["cached"] for o in out["healthy"]] == [full] * len(reference)
+    assert [o["tokens"] for o in out["healthy"]] == reference
+    # One node of three down: every request completes with the recompute's tokens...
+    assert [o["tokens"] for o in out["down"]] == reference
+    # ...and what sits on the live nodes keeps hitting.
+    assert out["down_hits"] > 0, out["down_stats"]
+    assert out["down_hits"] < len(reference), out["down_stats"]
+    # The node is back (empty): requests are exact, and the rewritten prefixes hit again.
+    assert [o["tokens"] for o in out["back_cold"]] == reference
+    assert [o["tokens"] for o in out["back"]] == reference
+    assert [o["cached"] for o in out["back"]] == [full] * len(reference)
+    assert out["leaks"]["locked_entries"] == 0
+
+
+@needs_cluster
+@pytest.mark.skipif(
+    os.environ.get("HIMAMBA_TEST_CLUSTER_TP") != "1",
+    reason="TP=2 through the cluster: ~3-6 min on 2 cores; set HIMAMBA_TEST_CLUSTER_TP=1",
+)
+def test_tp2_fresh_process_hits_what_another_tp2_process_stored_in_the_cluster(
+    granite_model, prompts, reference, block, redis_cluster
+):
+    from engine import run_scenario
+
+    args = {"model": str(granite_model), "prompts": prompts[:1], "tp": 2}
+    args["extra"] = cluster_extra(redis_cluster.url)
+    run_scenario("storage_writer", args, timeout=400)
+    read = run_scenario("storage_reader", args, timeout=400)
+    assert read["outs"][0]["cached"] == hit(A_LEN, block)
+    assert read["outs"][0]["tokens"] == reference[0]
+    assert read["stats"].get("storage_fetch_failed", 0) == 0
+
+
+# -- scenarios (run in their own processes) -------------------------------------------------
+def short_prompt_set(block: int) -> list[list[int]]:
+    """One block and a token each: a hit needs one KV object and one Mamba state, so with one
+    node of three down some prompts still have both on live nodes."""
+    return [prompt(100 + i, block + 1) for i in range(12)]
+
+
+def baseline_two_phase(args: dict[str, Any]) -> dict[str, Any]:
+    from scenarios import ENGINE, close_llm, generate, make_llm
+
+    llm = make_llm(args, None)
+    out: dict[str, Any] = {"single": [generate(llm, [p])[0] for p in args["prompts"]]}
+    out["short_prompts"] = short_prompt_set(ENGINE["block_size"])
+    out["short"] = [generate(llm, [p])[0] for p in out["short_prompts"]]
+    close_llm(llm)
+    return out
+
+
+def fleet_replica(args: dict[str, Any]) -> dict[str, Any]:
+    """Replica `a` computes `shared` once `b` is serving; replica `b` serves `warmup`, then
+    asks for `shared` as soon as `a` says it is written."""
+    from scenarios import _worker_flush, close_llm, connectors, generate, leak_report, make_llm
+
+    sync = Path(args["sync"])
+    llm = make_llm(args, args["extra"])
+    out: dict[str, Any] = {}
+    if args["role"] == "b":
+        out["warmup"] = generate(llm, [args["warmup"]])[0]
+        (sync / "b_serving").touch()
+        start = time.monotonic()
+        while not (sync / "a_written").exists():
+            if time.monotonic() - start > 240:
+                raise TimeoutError("replica a never wrote the shared prefix")
+            time.sleep(0.05)
+        out["waited_s"] = time.monotonic() - start
+        out["shared"] = generate(llm, [args["shared"]])[0]
+        sched, _ = connectors(llm)
+        out["stats"] = sched.stats()
+        out["leaks"] = leak_report(llm)
+    else:
+        start = time.monotonic()
+        while not (sync / "b_serving").exists():
+            if time.monotonic() - start > 240:
+                raise TimeoutError("replica b never started serving")
+            time.sleep(0.05)
+        out["shared"] = generate(llm, [args["shared"]])[0]
+        out["worker"] = _worker_flush()
+        (sync / "a_written").touch()
+    close_llm(llm)
+    return out
+
+
+def node_outage(args: dict[str, Any]) -> dict[str, Any]:
+    """Short prompts stored over a 3-node cluster; node 1 is killed (its keys lost), the host
+    tier dropped, the prompts served again; node 1 restarted (empty), the prompts served,
+    written again, and served from storage once more."""
+    from harness.redis_cluster import RedisCluster
+    from scenarios import (
+        _worker_flush,
+        close_llm,
+        connectors,
+        drop_host_tier,
+        generate,
+        leak_report,
+        make_llm,
+    )
+
+    from himamba.tiers.cluster_url import cluster_adapter_spec
+
+    cluster = RedisCluster(Path(args["workdir"]) / "cluster")
+    cluster.start()
+    try:
+        extra = {
+            "cpu_cache_gb": 0.05,
+            "storage": {"adapter": cluster_adapter_spec(cluster.url), **args["storage"]},
+        }
+        llm = make_llm(args, extra)
+        sched, _ = connectors(llm)
+        ps = args["prompts"]
+
+        def serve() -> list[dict[str, Any]]:
+            return [generate(llm, [p])[0] for p in ps]
+
+        out: dict[str, Any] = {"cold": serve()}
+        _worker_flush()
+        drop_host_tier(llm)
+        out["healthy"] = serve()
+        out["keys_per_node"] = cluster.keys_per_node()
+        cluster.kill(1)
+        drop_host_tier(llm)
+        before = sched.stats().get("hit_tokens_storage", 0)
+        out["down"] = serve()
+        out["down_hits"] = sum(1 for o in out["down"] if o["cached"] > 0)
+        out["down_stats"] = {**sched.stats(), "hit_tokens_before": before}
+        out["down_worker"] = _worker_flush()
+        cluster.restart(1)
+        time.sleep(args.get("recover_s", 3.0))  # breaker cool-down + a health probe
+        drop_host_tier(llm)
+        out["back_cold"] = serve()  # misses on node 1 are recomputed and written again
+        _worker_flush()
+        drop_host_tier(llm)
+        out["back"] = serve()
+        out["stats"] = sched.stats()
+        out["worker"] = _worker_flush()
+        out["leaks"] = leak_report(llm)
+        close_llm(llm)
+        return out
+    finally:
+        cluster.stop()
+
+
+SCENARIOS = {f.__name__: f for f in (baseline_two_phase, fleet_replica, node_outage)}
+
+if __name__ == "__main__":
+    from scenarios import ENGINE
+
+    res = SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
+    res.setdefault("block_size", ENGINE.get("block_size"))
+    print("RESULT " + json.dumps(res), flush=True)
