@@ -29,7 +29,7 @@ import numpy as np
 
 from .circuit_breaker import BreakerState, CircuitBreaker
 from .object_format import ObjectKind, StorageKey
-from .storage_config import StorageConfig
+from .storage_config import PrefetchPolicy, StorageConfig
 from .storage_records import Batch, OpKind, StoreStats, Task, TaskError
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,11 @@ class AdapterHealth:
         # A success slower than the shortest wait a request spends on storage is no evidence
         # that storage is fast enough: it must not reset a streak of slow waits.
         base = cfg.prefetch_timeout_base_s
-        timely = base if cfg.prefetch_policy == "timeout" and base > 0 else cfg.op_deadline_s
+        timely = (
+            base
+            if cfg.prefetch_policy is PrefetchPolicy.TIMEOUT and base > 0
+            else cfg.op_deadline_s
+        )
         self._timely_s = min(cfg.op_deadline_s, timely)
         self._runner: TaskRunner | None = None
 

@@ -12,16 +12,49 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .cluster_url import cluster_adapter_spec, is_cluster_url
 from .object_format import CHECKSUM_ALGOS  # struct/hashlib only: no LMCache, no torch
 
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 CHECKSUMS = tuple(CHECKSUM_ALGOS)
 WEIGHTS_FINGERPRINTS = ("sampled", "full")
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back", "none")
+
+
+class WritePolicy(str, Enum):
+    """When host objects reach storage. Each decision a policy makes is one property here, so
+    no caller compares policy names."""
+
+    WRITE_THROUGH = "write_through"  # every object the CPU tier stores, once copied
+    SELECTIVE = "write_through_selective"  # objects loads used `write_threshold` times
+    WRITE_BACK = "write_back"  # objects the CPU tier evicts, and all at clean shutdown
+    NONE = "none"  # read only
+
+    @property
+    def writes_every_store(self) -> bool:
+        return self is WritePolicy.WRITE_THROUGH
+
+    @property
+    def writes_popular(self) -> bool:
+        return self is WritePolicy.SELECTIVE
+
+    @property
+    def writes_evictions(self) -> bool:
+        return self is WritePolicy.WRITE_BACK
+
+
+class PrefetchPolicy(str, Enum):
+    """How long a request may wait for storage."""
+
+    BEST_EFFORT = "best_effort"  # never: what arrived is used, the rest warms later requests
+    WAIT_COMPLETE = "wait_complete"  # for the probe and the fetch (each op has its deadline)
+    TIMEOUT = "timeout"  # at most the linear deadline of `prefetch_timeout_*`
+
+
+PREFETCH_POLICIES = tuple(p.value for p in PrefetchPolicy)
+WRITE_POLICIES = tuple(p.value for p in WritePolicy)
 
 _PREFIX = "storage"
 
@@ -82,11 +115,11 @@ class StorageConfig:
     #   write_back: an object when the CPU tier evicts it, and everything at clean shutdown
     #     (least traffic; a crash loses what was only on the host);
     #   none: never (a reader that only uses what others stored).
-    write_policy: str = "write_through"
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     # Matches that make an object worth writing under write_through_selective (reference: 2).
     write_threshold: int = 2
     # `timeout` is the only policy that both waits for storage and bounds the wait.
-    prefetch_policy: str = "timeout"
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
     # Reference (SGLang HiCache) defaults: a fixed 2 s plus 0.1 s per 1024 tokens, capped at 30 s.
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_ki_token_s: float = 0.1
@@ -191,14 +224,14 @@ class StorageConfig:
             policy = "write_through" if d["write_through"] else "none"
         if policy not in WRITE_POLICIES:
             raise _err("write_policy", f"{policy!r} is not one of {', '.join(WRITE_POLICIES)}")
-        kw["write_policy"] = policy
+        kw["write_policy"] = WritePolicy(policy)
         kw["write_threshold"] = _int(d, "write_threshold", cls.write_threshold, minimum=1)
         policy = d.get("prefetch_policy", cls.prefetch_policy)
         if policy not in PREFETCH_POLICIES:
             raise _err(
                 "prefetch_policy", f"{policy!r} is not one of {', '.join(PREFETCH_POLICIES)}"
             )
-        kw["prefetch_policy"] = policy
+        kw["prefetch_policy"] = PrefetchPolicy(policy)
         for name in (
             "prefetch_timeout_base_s",
             "prefetch_timeout_per_ki_token_s",
@@ -250,9 +283,9 @@ def prefetch_deadline_s(cfg: StorageConfig, num_tokens: int) -> float:
     `best_effort` never waits (0.0): whatever already arrived is used. `wait_complete` waits
     without a prefetch bound (inf); each storage op still fails at `op_deadline_s`, so it ends.
     """
-    if cfg.prefetch_policy == "best_effort":
+    if cfg.prefetch_policy is PrefetchPolicy.BEST_EFFORT:
         return 0.0
-    if cfg.prefetch_policy == "wait_complete":
+    if cfg.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
         return math.inf
     linear = cfg.prefetch_timeout_base_s + cfg.prefetch_timeout_per_ki_token_s * num_tokens / 1024
     return min(cfg.prefetch_timeout_max_s, linear)

@@ -122,7 +122,7 @@ class SchedulerHalf:
         if self.storage is not None:
             self.detach_storage()
         self.storage = planner
-        write_back = planner.cfg.write_policy == "write_back"
+        write_back = planner.cfg.write_policy.writes_evictions
         self.tree.write_back = self._write_back if write_back else None
         # Under write-back the worker remembers which slots hold bytes storage lacks; it must
         # hear of every slot the tree frees, or it would later write a reused slot's bytes.
@@ -217,7 +217,7 @@ class SchedulerHalf:
         self._hit_counted.add(req_id)
         self._pending[req_id] = _Pending(result, handle, num_blocks, result.state_slot(True))
         storage = self.storage
-        selective = storage is not None and storage.cfg.write_policy == "write_through_selective"
+        selective = storage is not None and storage.cfg.write_policy.writes_popular
         if first_use and selective:
             # Written while this hit's lock keeps the slots: popular prefixes reach storage.
             for is_state, slot, h in self.tree.hot_objects(result, storage.cfg.write_threshold):
@@ -312,7 +312,7 @@ class SchedulerHalf:
         """Objects written again this step (on every rank) are no longer known missing."""
         for w in plan.storage_writes:
             storage.wrote(w.kind, w.block_hash)
-        if storage.cfg.write_policy == "write_through":
+        if storage.cfg.write_policy.writes_every_store:
             for h in plan.kv_stores.hashes:
                 storage.wrote(ObjectKind.KV, h)
             for h in plan.mamba_stores.hashes:

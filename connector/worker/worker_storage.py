@@ -36,6 +36,7 @@ from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.object_format import HEADER_SIZE, StorageKey, stored_size
 from himamba.tiers.staging import ObjectView
+from himamba.tiers.storage_config import WritePolicy
 from himamba.tiers.storage_records import TaskError, TaskResult
 
 logger = logging.getLogger(__name__)
@@ -58,13 +59,13 @@ class WorkerStorage:
         pools: dict[int, HostSlotPool],
         rank: int,
         capacity_bytes: int | None,
-        write_policy: str = "write_through",
+        write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
     ) -> None:
         self.store = store
         self.pools = pools  # kind -> pool
         self.rank = rank
         self.capacity_bytes = capacity_bytes
-        self.write_policy = write_policy
+        self.write_policy = WritePolicy(write_policy)
         # write_back: host slots whose content storage does not have yet, (kind, slot) ->
         # (hash, key salt). Flushed at a clean shutdown; cleared when the slot is written or
         # overwritten by a fetch (its content then belongs to another key).
@@ -119,9 +120,9 @@ class WorkerStorage:
         """Slots just filled from vLLM's cache: written now (write_through), remembered as
         dirty (write_back), or left to the scheduler's explicit writes (selective)."""
         salts = [key_salt(epoch, t) for t in lora_tags] if lora_tags else [epoch] * len(slots)
-        if self.write_policy == "write_through":
+        if self.write_policy.writes_every_store:
             self._put(kind, slots, hashes, salts)
-        elif self.write_policy == "write_back":
+        elif self.write_policy.writes_evictions:
             for slot, h, salt in zip(slots, hashes, salts, strict=True):
                 self._dirty[(kind, slot)] = (h, salt)
 
