@@ -209,9 +209,10 @@ def test_a_writes_copy_into_store_memory_runs_on_the_copy_thread_not_the_callers
 
     from himamba.connector.observability.metrics import StatsRecorder
     from himamba.connector.worker.copy_jobs import CopyJobs
+    from himamba.connector.worker.counters import CopyCounters
     from himamba.tiers.transfer_engine import HostCopyEngine
 
-    copies = CopyJobs(HostCopyEngine(), {"copy_rows": 0, "copy_calls": 0}, StatsRecorder())
+    copies = CopyJobs(HostCopyEngine(), CopyCounters(), StatsRecorder())
     ws = worker(tmp_path)
     ws.stage_later = copies.submit_call
     gate = threading.Event()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from himamba.connector.protocol import FetchAck, FetchItem, FetchOrder, Generation
+from himamba.connector.scheduler.counters import LedgerCounters
 from himamba.connector.scheduler.generations import StorageGenerations
 
 
@@ -56,11 +57,7 @@ class FetchLedger:
         self._open: dict[int, _Open] = {}
         self._orders: list[FetchOrder] = []
         self._cancels: list[int] = []
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("fetches_done", "fetches_abandoned", "fetches_acked_across_steps", "stale_acks",
-             "duplicate_acks"),
-            0,
-        )  # fmt: skip
+        self.counters = LedgerCounters()
 
     def open(self, items: list[FetchItem], expires: float, lora_tag: str = "") -> int:
         """Record a new fetch and queue its order for the next plan; returns its id."""
@@ -80,10 +77,10 @@ class FetchLedger:
         for ack in acks:
             entry = self._open.get(ack.fetch_id) if ack.planner == self.planner else None
             if entry is None:
-                self.counters["stale_acks"] += 1  # cancelled or finished already: ignore
+                self.counters.stale_acks += 1  # cancelled or finished already: ignore
                 continue
             if ack.rank in entry.acks or len(ack.ok) != len(entry.order.items):
-                self.counters["duplicate_acks"] += 1
+                self.counters.duplicate_acks += 1
                 continue
             entry.acks[ack.rank] = ack.ok
             if ack.fetch_id not in seen:
@@ -92,8 +89,8 @@ class FetchLedger:
             if len(entry.acks) >= self.world_size:
                 del self._open[ack.fetch_id]
                 ok = [all(r[i] for r in entry.acks.values()) for i in range(len(ack.ok))]
-                self.counters["fetches_done"] += 1
-                self.counters["fetches_acked_across_steps"] += entry.batches > 1
+                self.counters.fetches_done += 1
+                self.counters.fetches_acked_across_steps += entry.batches > 1
                 self._on_settle(entry.order, ok, FetchOutcome.DONE)
 
     def abandon(self, fetch_id: int) -> bool:
@@ -105,7 +102,7 @@ class FetchLedger:
             self._orders.remove(entry.order)  # never sent: nothing to cancel
         else:
             self._cancels.append(fetch_id)
-        self.counters["fetches_abandoned"] += 1
+        self.counters.fetches_abandoned += 1
         self._on_settle(entry.order, [False] * len(entry.order.items), FetchOutcome.ABANDONED)
         return True
 

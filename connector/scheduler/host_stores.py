@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from himamba.connector.config import HiMambaConfig
 from himamba.connector.layout import HybridLayout
 from himamba.connector.protocol import StepPlan
+from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.lora_identity import LoraTags
 from himamba.connector.tree import HybridRadixTree
 from himamba.mamba_state.state_budget import RequestStates, StateBudget
@@ -60,7 +61,7 @@ class HostStores:
         layout: HybridLayout,
         config: HiMambaConfig,
         tree: HybridRadixTree,
-        counters: defaultdict[str, int],
+        counters: SchedulerCounters,
         lora: LoraTags,
     ) -> None:
         self.layout = layout
@@ -144,7 +145,7 @@ class HostStores:
                     rolled_back.append(slot)
                     continue
                 plan.kv_stores.add(slot, group_blocks, hashes[i], tracked.lora_tag)
-                self.counters["kv_blocks_stored"] += 1
+                self.counters.kv_blocks_stored += 1
                 if events is not None:
                     events.planned_kv(request, i, hashes[i])
             if rolled_back:
@@ -174,24 +175,24 @@ class HostStores:
                 if boundary % bs or n == 0 or n > len(hashes):
                     continue
                 if any(per_group.get(g, 0) == 0 for g in mamba_groups):
-                    self.counters["mamba_incomplete_handoffs"] += 1
+                    self.counters.mamba_incomplete_handoffs += 1
                     continue
                 if boundary > tracked.states.prompt_end and not self.config.store_decode_blocks:
                     # Its KV blocks are not stored: the state alone could never be hit.
-                    self.counters["mamba_states_skipped"] += 1
+                    self.counters.mamba_states_skipped += 1
                     continue
                 keep, replaces = self.budget.decide(tracked.states, boundary)
                 if not keep:
-                    self.counters["mamba_states_skipped"] += 1
+                    self.counters.mamba_states_skipped += 1
                     continue
                 slot = self.tree.reserve_mamba(hashes, part, n)
                 if slot is None:
                     continue  # nothing stored: the budget's book stays as it was
                 blocks = [per_group[g] for g in mamba_groups]
                 plan.mamba_stores.add(slot, blocks, hashes[n - 1], tracked.lora_tag)
-                self.counters["mamba_states_stored"] += 1
+                self.counters.mamba_states_stored += 1
                 self.budget.stored(tracked.states, boundary)
                 if self.events is not None:
                     self.events.planned_state(tracked.request, n, hashes[n - 1])
                 if replaces and self.tree.drop_state(hashes, part, replaces // bs):
-                    self.counters["mamba_states_replaced"] += 1
+                    self.counters.mamba_states_replaced += 1

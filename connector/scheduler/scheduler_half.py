@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,6 +29,7 @@ from himamba.connector.protocol import (
     StorageWrite,
     check_plan,
 )
+from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.generations import StorageGenerations
 from himamba.connector.scheduler.host_stores import HostStores, block_hashes, request_partition
 from himamba.connector.scheduler.lora_identity import LoraTags
@@ -80,7 +80,7 @@ class SchedulerHalf:
         self.tree = HybridRadixTree(
             kv_slots, mamba_slots, max_nodes=4 * (kv_slots + mamba_slots) + 1024
         )
-        self.counters: dict[str, int] = defaultdict(int)
+        self.counters = SchedulerCounters()
         self.generations = StorageGenerations()
         self.lora = LoraTags()
         self.storage = storage
@@ -190,7 +190,7 @@ class SchedulerHalf:
         part = request_partition(request)
         if start:
             self.tree.mark_device(hashes, part, start, mamba=True)
-        self.counters["lookups"] += 1
+        self.counters.lookups += 1
         result = self.tree.match(hashes, part, start, max_blocks)
         storage = self.storage
         if storage is not None and result.host_num_blocks < max_blocks:
@@ -208,7 +208,7 @@ class SchedulerHalf:
         num_blocks = result.host_num_blocks
         tokens = (num_blocks - start) * self.layout.block_size
         if num_blocks <= start or tokens < max(self.config.min_load_tokens, 1):
-            self.counters["misses"] += 1
+            self.counters.lookups_missed += 1
             return 0, False
         first_use = req_id not in self._hit_counted
         handle = self.tree.lock(result, host_only=True, count_hit=first_use)
@@ -263,9 +263,9 @@ class SchedulerHalf:
             from_storage = self.storage.storage_blocks_used(req_id, start, n) * bs
         from_storage = min(from_storage, num_external_tokens)
         self._hit_split[req_id] = (num_external_tokens - from_storage, from_storage)
-        self.counters["loads"] += 1
-        self.counters["hit_tokens"] += num_external_tokens
-        self.counters["hit_tokens_storage"] += from_storage
+        self.counters.loads += 1
+        self.counters.hit_tokens += num_external_tokens
+        self.counters.hit_tokens_storage += from_storage
         if self.events is not None:
             self.events.loaded(request, start, n)
 
@@ -279,7 +279,7 @@ class SchedulerHalf:
     # -- per step ------------------------------------------------------------------
     def build_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
-        self.counters["steps"] += 1
+        self.counters.steps += 1
         self.stores.plan(plan, scheduler_output)
         storage = self.storage
         if storage is not None:
@@ -303,7 +303,7 @@ class SchedulerHalf:
         # Slots quarantined while this plan was built (write-back sources) are free again.
         self.tree.seal_plan()
         plan.generation = self.generations.current
-        self.counters["storage_writes_planned"] += len(plan.storage_writes)
+        self.counters.storage_writes_planned += len(plan.storage_writes)
         if self.check_plans:
             check_plan(plan)
         return plan
@@ -334,7 +334,7 @@ class SchedulerHalf:
                 continue
             self.tree.unlock(handle)
             if req_id in failed:
-                self.counters["loads_failed"] += 1
+                self.counters.loads_failed += 1
                 # Never offer this request a hit again (no retry loop). vLLM may already have
                 # finished it (policy "fail", or an abort in the same step): then there is
                 # nothing to remember.
@@ -374,7 +374,7 @@ class SchedulerHalf:
         if self.storage is not None:
             self.storage.reset()
         self.tree.reset()
-        self.counters["resets"] += 1
+        self.counters.resets += 1
         return not self._inflight
 
     def drop_host_tier(self) -> None:
@@ -415,10 +415,11 @@ class SchedulerHalf:
 
     def stats(self) -> dict[str, int]:
         tree = self.tree.stats()
-        out = {**self.counters, **tree}
+        out = {**self.counters.as_dict(), **tree}
         out["host_kv_evictions"] = tree.get("kv_evicted", 0) + tree.get("kv_cascaded", 0)
         out["host_mamba_evictions"] = tree.get("mamba_evicted", 0) + tree.get("mamba_cascaded", 0)
         if self.storage is not None:
             out.update(self.storage.pending())
-            out.update({f"fetch_{k}": v for k, v in self.storage.ledger.counters.items()})
+            ledger = self.storage.ledger.counters.as_dict()
+            out.update({f"fetch_{k}": v for k, v in ledger.items()})
         return out

@@ -41,6 +41,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from himamba.connector.protocol import FetchAck, FetchItem, FetchOrder, ObjectKind, key_salt
+from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.fetch_ledger import FetchLedger, FetchOutcome
 from himamba.connector.scheduler.generations import StorageGenerations
 from himamba.connector.tree import HybridRadixTree, LockHandle
@@ -99,7 +100,7 @@ class StoragePlanner:
         cfg: StorageConfig,
         store: ByteStore,
         tree: HybridRadixTree,
-        counters: dict,
+        counters: SchedulerCounters,
         generations: StorageGenerations,
         world_size: int = 1,
     ) -> None:
@@ -145,7 +146,7 @@ class StoragePlanner:
         st.probe_task = self.store.submit_exists(keys)
         self._probe_owner[st.probe_task] = req_id
         self._requests[req_id] = st
-        self.counters["storage_probes"] += 1
+        self.counters.storage_probes += 1
 
     def known(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -268,7 +269,7 @@ class StoragePlanner:
             return
         ends = [b for b in range(1, prefix + 1) if mamba_ok[b - 1]]
         self.tree.mark_storage(st.hashes, st.partition, prefix, ends)
-        self.counters["storage_blocks_seen"] += prefix
+        self.counters.storage_blocks_seen += prefix
         if not ends:
             return
         if st.start_block is None and st.waits:
@@ -281,10 +282,10 @@ class StoragePlanner:
         for i, h in enumerate(hashes):
             if kv_ok[i] and missing.get((ObjectKind.KV, h)) == epoch:
                 kv_ok[i] = False
-                self.counters["storage_missing_masked"] += 1
+                self.counters.storage_missing_masked += 1
             if mamba_ok[i] and missing.get((ObjectKind.MAMBA, h)) == epoch:
                 mamba_ok[i] = False
-                self.counters["storage_missing_masked"] += 1
+                self.counters.storage_missing_masked += 1
 
     # -- fetches -------------------------------------------------------------------------
     def _start_fetch(self, req_id: str, st: _Request) -> bool:
@@ -320,13 +321,13 @@ class StoragePlanner:
         tree.complete_store([s for i, s in reserved if i >= target], [], ok=False)
         if not target:
             tree.unlock(pin)
-            self.counters["storage_fetch_no_space"] += 1
+            self.counters.storage_fetch_no_space += 1
             return False
         if target != res.num_blocks:
             narrower = tree.pin(hashes, part, target)
             tree.unlock(pin)
             pin = narrower
-            self.counters["storage_fetch_shortened"] += 1
+            self.counters.storage_fetch_shortened += 1
         items = [FetchItem(ObjectKind.KV, hashes[i], s) for i, s in keep]
         indexes = [i for i, _ in keep]
         if mamba_slot is not None:
@@ -339,7 +340,7 @@ class StoragePlanner:
         fid = self.ledger.open(items, expires, st.lora_tag)
         self._fetches[fid] = _Fetch(req_id, st.waits, pin, hashes, part, indexes, len(keep))
         st.fetch_id = fid
-        self.counters["storage_fetches"] += 1
+        self.counters.storage_fetches += 1
         return True
 
     def _settle_fetch(self, order: FetchOrder, ok: list[bool], outcome: FetchOutcome) -> None:
@@ -359,7 +360,7 @@ class StoragePlanner:
                     self._remember_missing(item.kind, item.block_hash, order.generation.epoch)
         self.tree.unlock(ctx.pin)
         if outcome is FetchOutcome.ABANDONED:
-            self.counters["storage_fetches_abandoned"] += 1
+            self.counters.storage_fetches_abandoned += 1
         st = self._requests.get(ctx.req_id)
         if st is not None and st.fetch_id == order.fetch_id:
             st.fetch_id = None

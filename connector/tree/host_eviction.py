@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from .counters import TreeCounters
 from .eviction import EvictionPolicy
 from .maintenance import Maintenance
 from .node import HOST, NO_SLOT, STORAGE, Node
@@ -49,7 +50,7 @@ class HostEviction:
         mamba_slots: SlotAllocator,
         policy: EvictionPolicy,
         maint: Maintenance,
-        counters: dict[str, int],
+        counters: TreeCounters,
     ) -> None:
         self.kv_slots = kv_slots
         self.mamba_slots = mamba_slots
@@ -75,7 +76,7 @@ class HostEviction:
             victims += 1
             slot = slots.alloc()
         if slot is None:
-            self.counters["alloc_failures"] += 1
+            self.counters.alloc_failures += 1
         return slot
 
     # ------------------------------------------------------------------ eviction
@@ -101,7 +102,7 @@ class HostEviction:
                         and wb(False, slots[i], x.hashes[i], x.partition)
                     ):
                         f |= STORAGE  # written back before the slot is reused: still live
-                        self.counters["kv_written_back"] += 1
+                        self.counters.kv_written_back += 1
                         self.kv_slots.free_later(slots[i])
                     else:
                         self.kv_slots.free(slots[i])
@@ -110,7 +111,7 @@ class HostEviction:
                     freed += 1
                     if obs is not None:
                         obs.host_kv(False, x.hashes[i])
-                    self.counters["kv_evicted"] += 1
+                    self.counters.kv_evicted += 1
                     if not flags[i]:
                         hole = i  # its last tier: what follows it dies (invariant P)
             if not x.n_host:
@@ -136,11 +137,11 @@ class HostEviction:
                 and wb(True, x.mamba_slot, x.hashes[-1], x.partition)
             ):
                 x.mamba |= STORAGE
-                self.counters["mamba_written_back"] += 1
+                self.counters.mamba_written_back += 1
                 later = True
             self.free_state(x, tombstone=not x.mamba & STORAGE, later=later)
             freed += 1
-            self.counters["mamba_evicted"] += 1
+            self.counters.mamba_evicted += 1
         return freed
 
     def free_state(self, x: Node, tombstone: bool, later: bool = False) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .counters import TreeCounters
 from .eviction import EvictionPolicy, kv_evictable
 from .forest import Forest
 from .node import HOST, NO_SLOT, Node
@@ -36,7 +37,7 @@ class Maintenance:
         kv_slots: SlotAllocator,
         mamba_slots: SlotAllocator,
         policy: EvictionPolicy,
-        counters: dict[str, int],
+        counters: TreeCounters,
     ) -> None:
         self.forest = forest
         self.kv_slots = kv_slots
@@ -72,7 +73,7 @@ class Maintenance:
                     if x.mamba & HOST:
                         self.mamba_slots.free(x.mamba_slot)
                         x.mamba_slot = NO_SLOT
-                        self.counters["mamba_cascaded"] += 1
+                        self.counters.mamba_cascaded += 1
                         if obs is not None:
                             obs.host_state(False, x.hashes[-1])
                     x.mamba = 0
@@ -80,7 +81,7 @@ class Maintenance:
                 if not kv_evictable(x):
                     policy.withdraw_kv(x)
             stack.extend((c, 0) for c in x.children.values())
-        self.counters["kv_cascaded"] += freed
+        self.counters.kv_cascaded += freed
         for x in reversed(seen):
             self.prune(x)
         return freed
@@ -162,5 +163,5 @@ class Maintenance:
                 return
             parent = forest.detach(x)
             self.policy.forget(x)
-            self.counters["nodes_trimmed"] += 1
+            self.counters.nodes_trimmed += 1
             self.prune(parent)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
+from .counters import TreeCounters
 from .eviction import EvictionPolicy
 from .forest import Forest
 from .host_eviction import HostEviction
@@ -39,7 +40,7 @@ class Reservations:
         policy: EvictionPolicy,
         maint: Maintenance,
         evictor: HostEviction,
-        counters: dict[str, int],
+        counters: TreeCounters,
     ) -> None:
         self.forest = forest
         self.kv_slots = kv_slots
@@ -141,7 +142,7 @@ class Reservations:
         for slot in kv_slots:
             entry = pending_kv.pop(slot, None)
             if entry is None:
-                self.counters["stale_completions"] += 1
+                self.counters.stale_completions += 1
                 continue
             node, i = entry
             flag = node.flags[i] & ~PENDING
@@ -158,7 +159,7 @@ class Reservations:
         for slot in mamba_slots:
             mnode = pending_mamba.pop(slot, None)
             if mnode is None:
-                self.counters["stale_completions"] += 1
+                self.counters.stale_completions += 1
                 continue
             mnode.mamba &= ~PENDING
             if ok:

@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Protocol
 
+from .counters import TreeCounters
 from .eviction import EvictionPolicy
 from .forest import Forest
 from .host_eviction import HostEviction, WriteBack
@@ -52,12 +53,6 @@ from .reservations import Reservations
 from .results import LockHandle, MatchResult
 from .slot_allocator import SlotAllocator
 from .tier_marks import clear_path, mark_path
-
-_COUNTERS = (
-    "hits", "misses", "kv_evicted", "mamba_evicted", "kv_cascaded", "mamba_cascaded",
-    "alloc_failures", "stores_committed", "stores_rolled_back", "stale_completions",
-    "nodes_trimmed", "kv_written_back", "mamba_written_back", "states_replaced",
-)  # fmt: skip
 
 
 class HostObserver(Protocol):
@@ -90,7 +85,7 @@ class HybridRadixTree:
         self.max_nodes = max_nodes
         self.forest = Forest()
         self.policy = EvictionPolicy(track_trim=max_nodes is not None)
-        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.counters = TreeCounters()
         self.maint = Maintenance(
             self.forest, self.kv_slots, self.mamba_slots, self.policy, self.counters
         )
@@ -213,9 +208,9 @@ class HybridRadixTree:
                 if all_host and on_host:
                     best_host = best
         if best < 0:
-            self.counters["misses"] += 1
+            self.counters.misses += 1
             return res
-        self.counters["hits"] += 1
+        self.counters.hits += 1
         hit = walked[best]
         res.num_blocks, res._node = boundaries[-1][0], hit
         if best_host >= 0:
@@ -425,7 +420,7 @@ class HybridRadixTree:
         if x.end != num_blocks or not x.mamba & HOST or x.mamba_lock:
             return False
         self.evictor.free_state(x, tombstone=not x.mamba & ~HOST)
-        self.counters["states_replaced"] += 1
+        self.counters.states_replaced += 1
         self._finish()
         return True
 
@@ -500,7 +495,7 @@ class HybridRadixTree:
             "locks": len(self.handles),
             "pins": sum(h.pinned for h in self.handles),
             "pending_stores": len(self.forest.pending_kv) + len(self.forest.pending_mamba),
-            **self.counters,
+            **self.counters.as_dict(),
         }
 
     def iter_nodes(self) -> Iterator[Node]:

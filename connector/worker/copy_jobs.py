@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from himamba.connector.observability.metrics import StatsRecorder
 from himamba.connector.protocol import ObjectKind, StoreDone
+from himamba.connector.worker.counters import CopyCounters
 from himamba.tiers.transfer import CopyPlan
 from himamba.tiers.transfer_engine import CopyEngine
 
@@ -55,9 +56,7 @@ class _Load:
 
 
 class CopyJobs:
-    def __init__(
-        self, engine: CopyEngine, counters: dict[str, float], recorder: StatsRecorder
-    ) -> None:
+    def __init__(self, engine: CopyEngine, counters: CopyCounters, recorder: StatsRecorder) -> None:
         self.engine = engine
         self._counters = counters
         self._recorder = recorder
@@ -103,8 +102,8 @@ class CopyJobs:
                         del self._filling[(batch.kind, slot)]
             if not r.ok:
                 raise CopyFailed(f"himamba: a store into the host tier failed: {r.error}")
-            self._counters["bytes_stored"] += store.nbytes
-            self._counters["store_seconds"] += r.seconds
+            self._counters.bytes_stored += store.nbytes
+            self._counters.store_seconds += r.seconds
             self._recorder.observe("store_seconds", r.seconds)
             self._recorder.observe("store_bytes", store.nbytes)
             out.append(store.done)
@@ -145,18 +144,18 @@ class CopyJobs:
             finished.add(load.req_id)
             if not r.ok:
                 failed.add(load.req_id)
-                self._counters["loads_failed"] += 1
+                self._counters.loads_failed += 1
                 continue
-            self._counters["bytes_loaded"] += load.nbytes
-            self._counters["load_seconds"] += r.seconds
+            self._counters.bytes_loaded += load.nbytes
+            self._counters.load_seconds += r.seconds
             self._recorder.observe("load_seconds", r.seconds)
             self._recorder.observe("load_bytes", load.nbytes)
         return finished, failed
 
     def _count(self, plans: Sequence[CopyPlan]) -> None:
         # How much runs coalesce in practice: copy_rows / copy_calls is the mean run length.
-        self._counters["copy_rows"] += sum(p.rows for p in plans)
-        self._counters["copy_calls"] += sum(len(p.copies) for p in plans)
+        self._counters.copy_rows += sum(p.rows for p in plans)
+        self._counters.copy_calls += sum(len(p.copies) for p in plans)
 
     def store_jobs(self) -> set[int]:
         """Ids of the store jobs not yet fenced or reaped."""

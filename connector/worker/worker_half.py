@@ -30,6 +30,7 @@ from himamba.connector.protocol import (
     StoreDone,
 )
 from himamba.connector.worker.copy_jobs import CopyJobs
+from himamba.connector.worker.counters import CopyCounters
 from himamba.connector.worker.worker_storage import WorkerStorage
 from himamba.mamba_state.snapshot import NULL_BLOCK, MambaSnapshotter
 from himamba.tiers.cpu_pool import HostSlotPool, spare_slots
@@ -71,15 +72,7 @@ class WorkerHalf:
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._idle_step = False
-        self.counters: dict[str, float] = {
-            "bytes_loaded": 0,
-            "bytes_stored": 0,
-            "load_seconds": 0.0,
-            "store_seconds": 0.0,
-            "loads_failed": 0,
-            "copy_rows": 0,
-            "copy_calls": 0,
-        }
+        self.counters = CopyCounters()
         # Per-operation observations for the Prometheus histograms (connector.stats drains it).
         self.recorder = StatsRecorder()
         # Set by the connector when vLLM publishes KV events: storage outcomes are then kept.
@@ -235,7 +228,7 @@ class WorkerHalf:
                 plans = self._plan_load(job)
             except Exception as exc:  # noqa: BLE001 - any failure must become a recompute
                 logger.warning("himamba: load for %s failed: %s", job.req_id, exc)
-                self.counters["loads_failed"] += 1
+                self.counters.loads_failed += 1
                 self._finished.add(job.req_id)
                 self._failed.add(job.req_id)
                 continue
@@ -328,9 +321,9 @@ class WorkerHalf:
         return report
 
     def all_counters(self) -> dict[str, float]:
-        out = dict(self.counters)
+        out = self.counters.as_dict()
         if self.storage is not None:
-            out.update(self.storage.counters)
+            out.update(self.storage.counters.as_dict())
         return out
 
     def shutdown(self) -> None:

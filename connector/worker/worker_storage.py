@@ -32,6 +32,7 @@ from himamba.connector.protocol import (
     key_salt,
     salt_epoch,
 )
+from himamba.connector.worker.counters import StorageTrafficCounters
 from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.object_format import HEADER_SIZE, StorageKey, stored_size
@@ -84,21 +85,7 @@ class WorkerStorage:
         )
         self._lru_bytes = 0
         self._acks: list[FetchAck] = []
-        self.counters: dict[str, float] = dict.fromkeys(
-            (
-                "storage_puts_ok",
-                "storage_puts_failed",
-                "storage_puts_skipped",
-                "storage_gets_ok",
-                "storage_gets_in_place",
-                "storage_gets_failed",
-                "storage_gets_cancelled",
-                "storage_bytes_written",
-                "storage_bytes_read",
-                "storage_evictions",
-            ),
-            0,
-        )
+        self.counters = StorageTrafficCounters()
         # Metrics: per-op histograms and per-kind counts; submit time of each live store task.
         self.recorder = StatsRecorder()
         self._started: dict[int, float] = {}
@@ -184,7 +171,7 @@ class WorkerStorage:
                 # Before the scheduler's reuse of its slots, this step.
                 self._released_early.discard(tid)
                 self._end_lending(tid, get, self.store.cancel(tid))
-                self.counters["storage_gets_cancelled"] += 1
+                self.counters.storage_gets_cancelled += 1
 
     def fetch(self, orders: Sequence[FetchOrder]) -> None:
         for order in orders:
@@ -286,11 +273,11 @@ class WorkerStorage:
             ok = res.error is None and i < len(res.ok) and bool(res.ok[i])
             if ok:  # the store already wrote the slot
                 self._dirty.pop((item.kind, item.slot), None)
-                self.counters["storage_gets_ok"] += 1
-                self.counters["storage_gets_in_place"] += get.lent[i]
-                self.counters["storage_bytes_read"] += self.pools[item.kind].slot_bytes
+                self.counters.storage_gets_ok += 1
+                self.counters.storage_gets_in_place += get.lent[i]
+                self.counters.storage_bytes_read += self.pools[item.kind].slot_bytes
             else:
-                self.counters["storage_gets_failed"] += 1
+                self.counters.storage_gets_failed += 1
                 if self.outcomes is not None and res.error is None:  # missing or invalid here
                     gone = (StorageOp.REMOVED, self.rank, int(item.kind), item.block_hash)
                     self.outcomes.append(StorageOutcome(*gone, get.order.generation.epoch))
@@ -313,8 +300,8 @@ class WorkerStorage:
                     self._outcome(StorageOp.WRITE_FAILED, key)
                 continue
             size = stored_size(self.pools[int(key.kind)].slot_bytes)
-            self.counters["storage_puts_ok"] += 1
-            self.counters["storage_bytes_written"] += size
+            self.counters.storage_puts_ok += 1
+            self.counters.storage_bytes_written += size
             self.recorder.add("stores", 1, _SERIES[int(key.kind)])
             if self.outcomes is not None:
                 self._outcome(StorageOp.WRITTEN, key)
@@ -335,7 +322,7 @@ class WorkerStorage:
             victims.append(key)
         if victims:
             self.store.submit_delete(victims)
-            self.counters["storage_evictions"] += len(victims)
+            self.counters.storage_evictions += len(victims)
             for key in victims:
                 self.recorder.add("evictions", 1, _SERIES[int(key.kind)])
                 if self.outcomes is not None:

@@ -6,10 +6,10 @@ storage, and a fetch never reads what vLLM's device cache already holds."""
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 from himamba.connector.protocol import FetchAck, ObjectKind
+from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.generations import StorageGenerations
 from himamba.connector.scheduler.storage_planner import StoragePlanner
 from himamba.connector.tree import HybridRadixTree
@@ -65,7 +65,7 @@ def hashes(tag: int) -> list[bytes]:
 def planner(store: ScriptedStore, world_size: int = 1, **storage: object) -> StoragePlanner:
     cfg = StorageConfig.from_dict({"url": "file:///unused", **storage})
     tree = HybridRadixTree(32, 8)
-    counters: defaultdict[str, int] = defaultdict(int)
+    counters = SchedulerCounters()
     return StoragePlanner(cfg, store, tree, counters, StorageGenerations(), world_size)
 
 

@@ -1,0 +1,48 @@
+"""The scheduler half's counters (see ``himamba.connector.counters``): hits and stores, and the
+storage planner's probes and fetches, which report with them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from himamba.connector.counters import Counters
+
+
+@dataclass
+class SchedulerCounters(Counters):
+    steps: int = 0
+    lookups: int = 0
+    lookups_missed: int = 0  # lookups that promised nothing
+    loads: int = 0
+    loads_failed: int = 0
+    hit_tokens: int = 0
+    hit_tokens_storage: int = 0  # of hit_tokens, those a storage fetch brought in
+    kv_blocks_stored: int = 0
+    mamba_states_stored: int = 0
+    mamba_states_skipped: int = 0
+    mamba_states_replaced: int = 0
+    mamba_incomplete_handoffs: int = 0
+    resets: int = 0
+    storage_writes_planned: int = 0
+    storage_probes: int = 0
+    storage_blocks_seen: int = 0
+    storage_missing_masked: int = 0
+    storage_fetches: int = 0
+    storage_fetched: int = 0
+    storage_fetch_failed: int = 0
+    storage_fetch_no_space: int = 0
+    storage_fetch_shortened: int = 0
+    storage_fetches_abandoned: int = 0
+    # A waiting request's deadline passed while it was in this phase.
+    storage_probing_timeouts: int = 0
+    storage_answered_timeouts: int = 0
+    storage_fetching_timeouts: int = 0
+
+
+@dataclass
+class LedgerCounters(Counters):
+    fetches_done: int = 0
+    fetches_abandoned: int = 0
+    fetches_acked_across_steps: int = 0
+    stale_acks: int = 0
+    duplicate_acks: int = 0
