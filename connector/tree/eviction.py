@@ -11,7 +11,7 @@ from scratch after every step:
   more than one reservation needs); a partially evicted node keeps its place at the head.
 * **Host-Mamba LRU** over evictable host states; touched only for the state a hit consumes or
   a store commits (refreshing the whole matched path evicts whole sessions under Mamba
-  pressure, #31643).
+  pressure, sgl-project/sglang#31643).
 * **Trim order** over *metadata leaves* (``trimmable``): unheld leaves whose blocks and state
   carry only GPU / STORAGE marks, so dropping them frees no bytes and loses only knowledge.
   Ordered by ``seen``, the last time a lookup, store or mark used the node's path. It is a

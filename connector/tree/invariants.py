@@ -3,7 +3,9 @@
 Every check recomputes from scratch what the tree maintains incrementally (counters, LRU and
 trim-order membership, lock and pin counts, pool usage, the node budget), so an
 incremental-update bug shows up as a named mismatch right after the step that caused it, not
-as a crash hours later (the reference's lesson: #12007, #27147, #36696, #27489).
+as a crash hours later (the reference's lessons:
+sgl-project/sglang#12007, sgl-project/sglang#27147, sgl-project/sglang#36696,
+sgl-project/sglang#27489).
 O(tree size): call it in tests and leak reports, not per request.
 """
 

@@ -42,7 +42,7 @@ class MatchResult:
 @dataclass(eq=False)
 class LockHandle:
     """What one pending load (or one pin) locked, recorded at lock time and never
-    re-derived (#27147): ``kv_node`` and its whole path hold one ``kv_lock`` each,
+    re-derived (sgl-project/sglang#27147): ``kv_node`` and its whole path hold one ``kv_lock`` each,
     ``mamba_node`` (``kv_node`` itself, or None) one ``mamba_lock``."""
 
     kv_node: Node | None

@@ -4,7 +4,7 @@ It hands out numbers only; the bytes behind slot ``i`` live in the worker's
 ``himamba.tiers.cpu_pool.HostSlotPool``. The tree owns both allocators so that conservation
 (free + quarantined + used = capacity) is a property of one object and can be checked after
 every step; a separate allocator that the tree only *told* about frees is how the reference
-leaked slots (#27489, #9927).
+leaked slots (sgl-project/sglang#27489, sgl-project/sglang#9927).
 
 Two things every free goes through, so no free path of the tree can skip them:
 

@@ -21,7 +21,7 @@ after any public call:
   from the GPU marks its prefix as GPU-resident (the request really has those blocks in its
   block table), which is how "block i stored while blocks < i are on GPU only" keeps P.
 * **Locks**: a load's ``LockHandle`` and a prefetch's pin kv-lock a whole path (what it locked
-  is recorded in the handle, never re-derived, #27147); a kv-locked node is in no eviction
+  is recorded in the handle, never re-derived, sgl-project/sglang#27147); a kv-locked node is in no eviction
   order and no cascade or trim touches it, so its host KV keeps its slots until ``unlock``.
   A store run holds its own request's path the same way for the length of the call.
 * **Conservation**: both slot allocators belong to the tree; free + quarantined + used =

@@ -3,12 +3,12 @@
 Runs inside vLLM's worker step, so nothing here blocks on storage: it submits to the store and
 drains completions once per step. A fetch lends its host slots to the store (`ObjectView`): the
 adapter reads each object straight into its slot, header room included, and the store checks
-it there, so a fetched byte is copied once, by the adapter (issue 9). A slot counts as fetched
+it there, so a fetched byte is copied once, by the adapter. A slot counts as fetched
 only once its bytes validated. When a fetch ends while the adapter may still write into its
 slots (a deadline, a cancel: the scheduler may hand the slots to someone else in the same plan,
-see fetch_protocol), the slots move onto spare memory (`HostSlotPool.swap_out`) and the old
+see scheduler.fetch_ledger), the slots move onto spare memory (`HostSlotPool.swap_out`) and the old
 memory comes back when the store releases it. Only as many slots are lent at once as there
-are spares; the rest are fetched through the store's staging buffers, as before. Each finished
+are spares; the rest are fetched through the store's staging buffers. Each finished
 fetch is acknowledged once, with this worker's rank.
 """
 
