@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from himamba.tiers.config_fields import flag, number
+
 _GIB = 1 << 30
 
 
@@ -116,25 +118,14 @@ _TYPES: dict[str, type] = {
 def _coerce(key: str, value: Any) -> Any:
     """Convert JSON/YAML scalars to the declared type, naming the key on failure."""
     want = _TYPES.get(key)
-    if want is None:
-        return value
-    if want is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        raise ConfigError(f"himamba: {key} must be true or false, got {value!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"himamba: {key} must be a number, got {value!r}")
     try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(f"himamba: {key} must be a number, got {value!r}") from None
-    if want is int:
-        if number != int(number):
-            raise ConfigError(f"himamba: {key} must be a whole number, got {value!r}")
-        return int(number)
-    return number
+        if want is bool:
+            return flag("", key, value)
+        if want is not None:
+            return number("", key, value, whole=want is int)
+    except ValueError as exc:
+        raise ConfigError(f"himamba: {exc}") from None
+    return value
 
 
 def _load_yaml(path: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .cluster_url import cluster_adapter_spec, is_cluster_url
+from .config_fields import number
 from .object_format import CHECKSUM_ALGOS  # struct/hashlib only: no LMCache, no torch
 
 CHECKSUMS = tuple(CHECKSUM_ALGOS)
@@ -391,18 +392,8 @@ def _checksum(name: Any) -> str:
 
 
 def _float(d: Mapping[str, Any], key: str, default: float, positive: bool = False) -> float:
-    v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-        raise _err(key, f"expected a number, got {v!r}")
-    if v < 0 or (positive and v == 0):
-        raise _err(key, f"must be {'> 0' if positive else '>= 0'}, got {v!r}")
-    return float(v)
+    return float(number(f"{_PREFIX}.", key, d.get(key, default), minimum=0, positive=positive))
 
 
 def _int(d: Mapping[str, Any], key: str, default: int, minimum: int) -> int:
-    v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _err(key, f"expected an integer, got {v!r}")
-    if v < minimum:
-        raise _err(key, f"must be >= {minimum}, got {v}")
-    return v
+    return int(number(f"{_PREFIX}.", key, d.get(key, default), whole=True, minimum=minimum))
