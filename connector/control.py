@@ -4,40 +4,35 @@ vLLM's convention for run-time operations on a serving engine is ``collective_rp
 extension (``--worker-extension-cls``, what RL frameworks use to swap weights): offline through
 ``LLM.collective_rpc`` and on the server through the ``/collective_rpc`` endpoint
 (``VLLM_SERVER_DEV_MODE=1``). A connector has no other way in: the scheduler is reachable only
-through engine hooks. So the call lands on every worker, each worker switches its own store at
-once, and tells the scheduler half through its per-step metadata; the scheduler half switches
-at the next engine step. Clearing the tiers needs no new surface: vLLM's
+through engine hooks. So the call lands on every worker; each worker starts its own switch and,
+once its new store is live, tells the scheduler half through its per-step metadata; the
+scheduler half then switches too. The call runs on the engine loop, between two steps, so it
+only starts the slow work (``storage_switch``: stores are opened and closed in the background)
+and answers at once. Clearing the tiers needs no new surface: vLLM's
 ``reset_prefix_cache(reset_connector=True)`` (``/reset_prefix_cache?reset_external=true``).
 
-Actions are idempotent (every rank reports the same one, possibly in different steps):
-``attach_storage`` (the configured ``storage`` section, or a new one given as ``storage``),
-``detach_storage`` (stop probing, fetching and writing; pending writes are flushed), ``status``.
+Actions are idempotent (every rank reports the same one, possibly in different steps), and each
+returns every rank's status:
+
+* ``attach_storage``: the configured ``storage`` section, or a new one given as ``storage``.
+  A section with an error is refused at once (the call fails, naming the field); otherwise
+  the status says ``attaching`` until the store is open and live on that rank (``attached``),
+  or the attach was refused (``error``: the store could not be opened; the rank keeps the
+  store it had).
+* ``detach_storage``: stop probing, fetching and writing at once; pending writes are flushed
+  while the old store closes in the background.
+* ``status``: per rank ``storage`` (``attached`` / ``attaching`` / ``detached``), ``target``
+  (the store, password hidden), ``scheduler`` (the scheduler half's storage as of the last
+  step: ``attached`` / ``detached``, or ``switching`` until it follows this rank's last
+  switch) and ``error`` (this rank's last refused attach).
 """
 
 from __future__ import annotations
 
-import enum
 import json
-from dataclasses import dataclass
 from typing import Any
 
-
-class ControlAction(str, enum.Enum):
-    ATTACH = "attach_storage"
-    DETACH = "detach_storage"
-    STATUS = "status"
-
-
-@dataclass(frozen=True)
-class ControlRequest:
-    """Worker -> scheduler: switch storage (``storage_json``: the section to attach, "" for the
-    configured one)."""
-
-    action: ControlAction
-    storage_json: str = ""
-
-    def storage(self) -> dict[str, Any] | None:
-        return json.loads(self.storage_json) if self.storage_json else None
+from himamba.connector.protocol import ControlAction
 
 
 def parse_action(action: str) -> ControlAction:

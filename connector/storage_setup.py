@@ -78,7 +78,19 @@ def open_store(cfg: StorageConfig, namespace: Namespace) -> Any:
     from himamba.tiers.lmcache_store import LMCacheStore
 
     store = LMCacheStore(cfg, namespace)
-    logger.info(
-        "himamba: storage tier %s (namespace %s)", cfg.url or cfg.adapter, namespace.model_tag()
-    )
+    logger.info("himamba: storage tier %s (namespace %s)", cfg.target, namespace.model_tag())
     return store
+
+
+def acking_workers(parallel_config: Any) -> int:
+    """How many workers acknowledge each storage fetch to this engine's scheduler half (and
+    report each storage write): the workers whose outputs vLLM hands this engine.
+
+    That is the TP group (PP and PCP are refused by the layout), whatever data parallelism
+    runs beside it, except under ``external_launcher``: there every process is an engine of
+    its own with exactly one worker (vLLM's executor then runs no output aggregation), while
+    ``parallel_config.world_size`` counts every rank of every DP replica. Waiting for that
+    many acknowledgements would expire every fetch."""
+    if getattr(parallel_config, "distributed_executor_backend", None) == "external_launcher":
+        return 1
+    return max(1, int(parallel_config.tensor_parallel_size))

@@ -6,9 +6,8 @@ worker half; the two meet only through ``HiMambaMetadata`` (a StepPlan).
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -19,21 +18,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from himamba.connector.config import HiMambaConfig
-from himamba.connector.control import ControlAction, ControlRequest
-from himamba.connector.jobs import StepPlan
 from himamba.connector.layout import HybridLayout, UnsupportedLayout, build_layout
 from himamba.connector.observability.kv_events import (
-    HiMambaWorkerEvents,
     KVEventTracker,
     events_enabled,
     group_kinds,
-    storage_medium,
 )
 from himamba.connector.observability.metrics import HiMambaPromMetrics, HiMambaStats
 from himamba.connector.observability.stats import SchedulerStats, WorkerStats
+from himamba.connector.protocol import (
+    ControlAction,
+    HiMambaWorkerEvents,
+    HiMambaWorkerMeta,
+    StepPlan,
+)
 from himamba.connector.scheduler.scheduler_half import SchedulerHalf
-from himamba.connector.scheduler.storage_planner import StoragePlanner
-from himamba.connector.storage_setup import open_store, storage_config, storage_namespace
+from himamba.connector.storage_setup import acking_workers, storage_config
+from himamba.connector.storage_switch import SchedulerControl, WorkerControl
 from himamba.connector.vllm_fixups.engine_config import (
     BlockSizeGuard,
     adapt_load_failure_policy,
@@ -41,8 +42,6 @@ from himamba.connector.vllm_fixups.engine_config import (
 )
 from himamba.connector.worker.ranks import worker_rank
 from himamba.connector.worker.worker_half import WorkerHalf
-from himamba.connector.worker.worker_storage import WorkerStorage
-from himamba.connector.worker_meta import HiMambaWorkerMeta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,10 +92,13 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.config = HiMambaConfig.from_extra_config(extra)
         self.storage_config = storage_config(self.config.storage)
-        self._world_size = vllm_config.parallel_config.world_size
+        # Workers whose acknowledgements and storage outcomes reach this scheduler half.
+        self._acking_workers = acking_workers(vllm_config.parallel_config)
         self.layout: HybridLayout | None = None
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
+        # Run-time storage control (connector.storage_switch), one per role.
+        self._control: SchedulerControl | WorkerControl | None = None
         self._stats: SchedulerStats | WorkerStats | None = None
         self._events: KVEventTracker | None = None
         self._block_size_guard: BlockSizeGuard | None = None
@@ -116,39 +118,18 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             self._block_size_guard = BlockSizeGuard(vllm_config, self.layout.block_size)
             retain_decode_states(vllm_config, kv_cache_config, self.config, self.layout)
             self.scheduler = SchedulerHalf(self.layout, self.config, kv_slots, mamba_slots)
-            if scfg is not None:
-                self._attach_scheduler_storage(scfg)
+            control = SchedulerControl(
+                self.scheduler, vllm_config, self.layout, scfg, self._acking_workers
+            )
+            if scfg is not None:  # at start-up a store that cannot open is a config error
+                control.attach(scfg, control.open_store(scfg))
+            self._control = control
         else:
-            rank = worker_rank()
-            opener = None
-            if scfg is not None:
-                opener = self._storage_opener(vllm_config, scfg, rank)
-            self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots, opener, rank)
+            self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots, None, worker_rank())
+            self._control = WorkerControl(self.worker, vllm_config, self.layout, scfg)
+            if scfg is not None:  # opened by register_kv_caches, once the host pools exist
+                self._control.attach_at_start(scfg)
         self._init_observability(vllm_config, kv_cache_config)
-
-    def _attach_scheduler_storage(self, scfg: Any) -> None:
-        # The scheduler probes rank 0's keys: a shard missing on another rank fails that
-        # fetch on that rank, which the ledger turns into a rolled-back fetch.
-        assert self.scheduler is not None and self.layout is not None
-        # Probes sit on every new request's critical path: this store keeps the engine's
-        # priority; thread_nice is for the workers' stores, whose work is mostly writes.
-        probe_cfg = replace(scfg, thread_nice=0)
-        store = open_store(probe_cfg, storage_namespace(self._vllm_config, self.layout, 0, scfg))
-        planner = StoragePlanner(
-            scfg, store, self.scheduler.tree, self.scheduler.counters, self._world_size
-        )
-        self.scheduler.attach_storage(planner)
-
-    def _storage_opener(self, vllm_config: Any, scfg: Any, rank: int) -> Any:
-        layout = self.layout
-        assert layout is not None
-
-        def opener(pools: dict) -> WorkerStorage:
-            store = open_store(scfg, storage_namespace(vllm_config, layout, rank, scfg))
-            capacity = None if scfg.capacity_gb is None else int(scfg.capacity_gb * (1 << 30))
-            return WorkerStorage(store, pools, rank, capacity, scfg.write_policy)
-
-        return opener
 
     # A dropped save is a future miss, never a correctness problem.
     @property
@@ -170,6 +151,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self.scheduler is None:
             return HiMambaMetadata()
+        assert isinstance(self._control, SchedulerControl)
+        self._control.poll()  # a store prepared since the last step is switched in here
         return HiMambaMetadata(plan=self.scheduler.build_plan(scheduler_output))
 
     def on_new_request(self, request: Any) -> None:
@@ -182,9 +165,11 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         if self._events is not None:
             self._absorb_worker_events(getattr(connector_output, "kv_cache_events", None))
         if self.scheduler is not None:
+            assert isinstance(self._control, SchedulerControl)
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(meta, HiMambaWorkerMeta) and meta.control:
-                self._apply_control(meta.control)
+                self._control.on_requests(meta.control)
+            self._control.poll()
             acks = meta.fetch_acks if isinstance(meta, HiMambaWorkerMeta) else ()
             self.scheduler.on_output(
                 connector_output.finished_recving or (),
@@ -194,8 +179,12 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine stepping while storage fetches are in flight, so they are
-        # acknowledged (or reclaimed) instead of holding host slots while the engine is idle.
-        return self.scheduler is not None and self.scheduler.has_pending_work()
+        # acknowledged (or reclaimed) instead of holding host slots while the engine is idle,
+        # and while a store is being prepared, so it is switched in when it is open.
+        if self.scheduler is None:
+            return False
+        assert isinstance(self._control, SchedulerControl)
+        return self.scheduler.has_pending_work() or self._control.busy()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         if self.scheduler is not None:
@@ -210,9 +199,12 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, called after weight updates:
         every tier, storage included, stops serving what was cached before."""
-        if self.scheduler is not None:
-            return self.scheduler.reset()
-        return True
+        if self.scheduler is None:
+            return True
+        done = self.scheduler.reset()
+        if self._events is not None:
+            self._events.storage_reset()  # the new key epoch hides every stored object
+        return done
 
     def drop_host_tier(self) -> None:
         """Scheduler role: empty the CPU tier but keep storage reachable, as a restart would."""
@@ -229,57 +221,26 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> HiMambaWorkerMeta | None:
         if self.worker is None:
             return None
-        acks = self.worker.take_acks()
-        control, self.worker.control_out = self.worker.control_out, []
+        assert isinstance(self._control, WorkerControl)
+        self._control.poll()  # the step's last hook: a store prepared meanwhile goes live here
+        acks = self.worker.take_acks() + self._control.take_acks()
+        control = self._control.take_reports()
         return HiMambaWorkerMeta(acks, control) if acks or control else None
 
-    # -- run-time storage control (connector.control) -----------------------------------
+    # -- run-time storage control (connector.control, connector.storage_switch) -------------
     def control(self, action: ControlAction, storage: dict[str, Any] | None = None) -> dict:
-        """Worker role, from ``HiMambaWorkerExtension.himamba_control``: switch this worker's
-        store now and report the switch to the scheduler half with the next step."""
+        """Worker role, from ``HiMambaWorkerExtension.himamba_control``: start this worker's
+        switch and answer its status at once. A new store is prepared in the background and
+        goes live at a step boundary (``status`` then says ``attached``); the scheduler half
+        follows when the worker reports it. A bad storage section raises, naming the field."""
         if self.worker is None:
             raise RuntimeError("himamba_control: the connector is inert for this model")
-        if action is ControlAction.ATTACH:
-            scfg = storage_config(storage) if storage is not None else self.storage_config
-            if scfg is None:
-                raise ValueError(
-                    "himamba_control: no storage is configured; pass a storage section "
-                    '(e.g. {"url": "file:///path"}) as the second argument'
-                )
-            self.storage_config = scfg
-            self.worker.attach_storage(
-                self._storage_opener(self._vllm_config, scfg, self.worker.rank)
-            )
-            self.worker.control_out.append(ControlRequest(action, json.dumps(storage or {})))
-        elif action is ControlAction.DETACH:
-            self.worker.detach_storage()
-            self.worker.control_out.append(ControlRequest(action))
-        scfg = self.storage_config
-        return {
-            "rank": self.worker.rank,
-            "storage": "attached" if self.worker.storage is not None else "detached",
-            "target": None if scfg is None else (scfg.url or scfg.adapter.get("type")),
-        }
-
-    def _apply_control(self, requests: list[ControlRequest]) -> None:
-        """Scheduler role: follow the workers' storage switches (idempotent per action)."""
-        assert self.scheduler is not None
-        for req in requests:
-            if req.action is ControlAction.DETACH:
-                if self.scheduler.detach_storage():
-                    logger.info("himamba: storage detached at run time")
-            elif req.action is ControlAction.ATTACH:
-                raw = req.storage()
-                scfg = storage_config(raw) if raw else self.storage_config
-                current = self.scheduler.storage
-                if scfg is None or (current is not None and current.cfg == scfg):
-                    continue
-                self.scheduler.detach_storage()
-                self.storage_config = scfg
-                self._attach_scheduler_storage(scfg)
-                logger.info("himamba: storage attached at run time: %s", scfg.url or scfg.adapter)
+        assert isinstance(self._control, WorkerControl)
+        return self._control.call(action, storage)
 
     def shutdown(self) -> None:
+        if self._control is not None:
+            self._control.shutdown()  # bounded wait for stores retired at run time
         if self.worker is not None:
             self.worker.shutdown()
         if self.scheduler is not None and self.scheduler.storage is not None:
@@ -299,7 +260,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
-            assert isinstance(meta, HiMambaMetadata)
+            assert isinstance(meta, HiMambaMetadata) and isinstance(self._control, WorkerControl)
+            self._control.saw_planner(meta.plan.generation.planner)
             self.worker.run_loads(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -331,21 +293,21 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         enabled = events_enabled(vllm_config)
         if self.worker is not None:
             self._stats = WorkerStats(self.worker)
-            self.worker.record_storage_events = enabled and self.storage_config is not None
+            # Whether or not a store is attached now: one attached at run time reports too.
+            self.worker.record_storage_events = enabled
             return
         if self.scheduler is None or self.layout is None:
             return
         self._stats = SchedulerStats(self.scheduler)
         if not enabled:
             return
-        scfg = self.storage_config
+        assert isinstance(self._control, SchedulerControl)
         tracker = KVEventTracker(
-            self.layout,
-            group_kinds(self.layout, kv_cache_config),
-            storage_medium=None if scfg is None else storage_medium(scfg.adapter),
-            world_size=self._world_size,
-            write_through=scfg is not None and scfg.write_policy == "write_through",
+            self.layout, group_kinds(self.layout, kv_cache_config), self._acking_workers
         )
+        if self.scheduler.storage is not None:
+            tracker.storage_attached(self.scheduler.storage.cfg)
+        self._control.events = tracker  # follows every later switch
         self._events = tracker
         self.scheduler.events = tracker
         self.scheduler.tree.set_observer(tracker)
@@ -400,7 +362,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def stats(self) -> dict[str, Any]:
         if self.scheduler is not None:
-            return self.scheduler.stats()
+            assert isinstance(self._control, SchedulerControl)
+            return {**self.scheduler.stats(), **self._control.counters()}
         if self.worker is not None:
             return self.worker.all_counters()
         return {}

@@ -1,13 +1,38 @@
 """Run-time storage control through vLLM's collective_rpc on a real engine: detach stops every
-storage read and write, attach brings the configured store back, another store can be attached."""
+storage read and write, attach brings the configured store back, another store can be attached,
+and a bad storage section is the caller's error while the engine keeps serving."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
-from engine import run_scenario
 from scenarios import prompt
 
 pytestmark = pytest.mark.e2e
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_control_scenario(args: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "e2e" / "control_scenario.py"), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
+    raise AssertionError(f"control scenario failed (rc={proc.returncode}):\n{tail}")
 
 
 def test_storage_detaches_and_attaches_without_a_restart(granite_model, tmp_path):
@@ -15,8 +40,7 @@ def test_storage_detaches_and_attaches_without_a_restart(granite_model, tmp_path
     first.mkdir()
     second.mkdir()
     a, b, c = (prompt(101 + i, 1000) for i in range(3))
-    out = run_scenario(
-        "storage_control",
+    out = run_control_scenario(
         {
             "model": str(granite_model),
             "prompts": [a, b, c],
@@ -26,14 +50,19 @@ def test_storage_detaches_and_attaches_without_a_restart(granite_model, tmp_path
     )
     hit = (len(a) - 1) // out["block_size"] * out["block_size"]
     assert out["objects_a"] > 0
-    assert [r["storage"] for r in out["detach"]] == ["detached"]
+    assert [r["storage"] for r in out["detach"]] == ["detached"]  # at once
     assert out["objects_b"] == out["objects_a"]  # nothing written while detached
     assert out["a_detached"]["cached"] == 0  # nor read: A is only in storage now
     assert out["a_detached"]["tokens"] == out["a"]["tokens"]
-    assert [r["storage"] for r in out["attach"]] == ["attached"]
+    # An attach answers before the store is open; both halves then follow.
+    assert [r["storage"] for r in out["attach"]] == ["attaching"]
+    assert out["attach"][0]["target"] == f"file://{first}"
     assert out["objects_c"] > out["objects_b"]  # writes resume
     assert out["a_attached"]["cached"] == hit  # and reads: A comes back from storage
     assert out["a_attached"]["tokens"] == out["a"]["tokens"]
     assert out["attach_other"][0]["target"] == f"file://{second}"
+    assert out["other_settled"][0]["target"] == f"file://{second}"
     assert out["objects_other"] > 0
+    assert "storage.url" in out["bad"]  # the caller's error, naming the field
+    assert out["after_bad"]["tokens"] == out["c"]["tokens"]
     assert out["leaks"]["locked_entries"] == 0 and out["leaks"]["inflight_loads"] == 0

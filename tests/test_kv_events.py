@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +31,9 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from himamba.connector.observability.kv_events import merge_events, storage_medium
+from himamba.connector.observability.event_payloads import merge_events
+from himamba.connector.observability.storage_events import STORAGE_MEDIUM
+from himamba.connector.protocol import ControlAction
 from himamba.connector.tree.node import HOST
 
 CPU_CACHE_GB = 0.5 / 1024  # 192 KV slots, 292 Mamba slots
@@ -254,8 +257,8 @@ def test_storage_events_follow_completed_writes_and_fetches_are_announced_on_loa
     make_engine, tmp_path
 ):
     cfg = {"cpu_cache_gb": CPU_CACHE_GB, "storage": {"url": f"file://{tmp_path}"}}
-    disk = storage_medium({"type": "fs_native"})
-    assert disk == "DISK"
+    disk = STORAGE_MEDIUM
+    assert disk == "STORAGE"  # vLLM's own medium name for its secondary tiers
     prompt = prompt_of(41, 80)
     writer, sub = make_engine(connector_config=cfg)
     serve(writer, "a", prompt)
@@ -289,7 +292,7 @@ def test_storage_capacity_evictions_are_announced_as_removed(make_engine, tmp_pa
         flush_storage(engine)
     view = RouterView(sub.drain())
     attn, mamba = groups(engine)
-    disk = "DISK"
+    disk = STORAGE_MEDIUM
     assert view.removed[(disk, attn)] > 0
     kept = engine.runners[0].connector.leak_report()["storage_lru_objects"]
     assert len(view.held[(disk, attn)]) + len(view.held[(disk, mamba)]) == kept
@@ -302,9 +305,82 @@ def test_tp2_storage_object_is_announced_once_both_ranks_wrote_their_shard(make_
     flush_storage(engine)
     view = RouterView(sub.drain())
     attn, _ = groups(engine)
-    announced = [h for ev in view.stored[("DISK", attn)] for h in ev.block_hashes]
+    announced = [h for ev in view.stored[(STORAGE_MEDIUM, attn)] for h in ev.block_hashes]
     assert announced and len(announced) == len(set(announced))
     assert set(announced) == view.held[("CPU", attn)]
+
+
+def switch_storage(engine: LifecycleEngine, action: ControlAction, storage: Any = None) -> None:
+    """What ``collective_rpc("himamba_control")`` does, then idle steps (1 ms apart, as an idle
+    engine waits) until every rank and the scheduler half use the new store."""
+    for runner in engine.runners:
+        runner.connector.control(action, storage)
+    want = "detached" if action is ControlAction.DETACH else "attached"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        engine.idle_steps(1)
+        statuses = [r.connector.control(ControlAction.STATUS) for r in engine.runners]
+        if all(s["storage"] == want and s["scheduler"] == want for s in statuses):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"storage never switched: {statuses}")
+
+
+def test_storage_attached_at_run_time_is_announced_like_at_start_up(make_engine, tmp_path):
+    engine, sub = make_engine(connector_config={"cpu_cache_gb": CPU_CACHE_GB})  # no storage
+    switch_storage(engine, ControlAction.ATTACH, {"url": f"file://{tmp_path}"})
+    serve(engine, "a", prompt_of(44, 80))
+    flush_storage(engine)
+    view = RouterView(sub.drain())
+    attn, mamba = groups(engine)
+    assert view.held[(STORAGE_MEDIUM, attn)] == view.held[("CPU", attn)] != set()
+    assert view.held[(STORAGE_MEDIUM, mamba)] == view.held[("CPU", mamba)] != set()
+    assert {ev.ownership for ev in view.stored[(STORAGE_MEDIUM, attn)]} == {"fs_native"}
+
+
+def test_detach_and_reset_retract_everything_storage_was_announced_to_hold(make_engine, tmp_path):
+    cfg = {"cpu_cache_gb": CPU_CACHE_GB, "storage": {"url": f"file://{tmp_path}"}}
+    engine, sub = make_engine(connector_config=cfg)
+    attn, mamba = groups(engine)
+    serve(engine, "a", prompt_of(45, 80))
+    flush_storage(engine)
+    assert RouterView(sub.drain()).held[(STORAGE_MEDIUM, attn)]
+    # A router must not route to a tier that is gone.
+    switch_storage(engine, ControlAction.DETACH)
+    view = RouterView(sub.drain())
+    assert view.held[(STORAGE_MEDIUM, attn)] == set() == view.held[(STORAGE_MEDIUM, mamba)]
+    assert view.held[("CPU", attn)] == host_content(engine)[0] != set()  # the CPU tier stays
+
+    switch_storage(engine, ControlAction.ATTACH)
+    serve(engine, "b", prompt_of(46, 80))
+    flush_storage(engine)
+    assert RouterView(sub.drain()).held[(STORAGE_MEDIUM, attn)]
+    # A reset moves the storage key epoch: nothing stored before it can be read again.
+    assert engine.reset_prefix_cache()
+    engine.idle_steps(1)
+    view = RouterView(sub.drain())
+    assert view.held[(STORAGE_MEDIUM, attn)] == set() == view.held[(STORAGE_MEDIUM, mamba)]
+
+
+def test_the_attached_stores_write_policy_decides_the_payload(make_engine, tmp_path):
+    write_back = {"url": f"file://{tmp_path}/wb", "write_policy": "write_back"}
+    small = 0.05 / 1024  # 19 KV slots: serving a few prompts evicts, and write-back writes
+    engine, sub = make_engine(connector_config={"cpu_cache_gb": small, "storage": write_back})
+    attn, _ = groups(engine)
+    for i in range(6):
+        serve(engine, f"r{i}", prompt_of(60 + i, 96))
+    flush_storage(engine)
+    evicted = RouterView(sub.drain()).stored[(STORAGE_MEDIUM, attn)]
+    # Written long after the requests that computed them: nothing describes them any more.
+    assert evicted and all(ev.block_size == 0 and not ev.token_ids for ev in evicted)
+    # A write_through store attached at run time: each write follows a CPU store, described.
+    switch_storage(engine, ControlAction.ATTACH, {"url": f"file://{tmp_path}/wt"})
+    serve(engine, "a", prompt_of(47, 80))
+    flush_storage(engine)
+    view = RouterView(sub.drain())
+    written = per_block(view.stored[(STORAGE_MEDIUM, attn)][len(evicted) :])
+    on_cpu = per_block(view.stored[("CPU", attn)])
+    assert written and all(on_cpu[h] == tokens for h, tokens in written.items())
 
 
 def test_without_a_publisher_nothing_is_tracked(make_engine, tmp_path):
@@ -326,7 +402,7 @@ def test_merge_joins_a_chain_per_stream_and_keeps_streams_apart():
 
     events = [
         stored(1, None, 0), stored(1, None, 1), stored(2, 1, 0), stored(2, 1, 1),
-        stored(7, None, 0, "DISK"), stored(9, 5, 0),
+        stored(7, None, 0, "STORAGE"), stored(9, 5, 0),
         BlockRemoved(block_hashes=[3], medium="CPU", group_idx=0),
         BlockRemoved(block_hashes=[4], medium="CPU", group_idx=0),
     ]  # fmt: skip
@@ -334,7 +410,7 @@ def test_merge_joins_a_chain_per_stream_and_keeps_streams_apart():
     assert [(type(e).__name__, e.medium, e.group_idx, e.block_hashes) for e in merged] == [
         ("BlockStored", "CPU", 0, [1, 2]),
         ("BlockStored", "CPU", 1, [1, 2]),
-        ("BlockStored", "DISK", 0, [7]),
+        ("BlockStored", "STORAGE", 0, [7]),
         ("BlockStored", "CPU", 0, [9]),  # parent 5 does not continue the chain
         ("BlockRemoved", "CPU", 0, [3, 4]),
     ]

@@ -21,10 +21,12 @@ from lifecycle.faults import StorageFaults, faulty_storage
 from lifecycle.vllm_setup import EngineSpec, make_model_config, write_model_dir
 from lifecycle.workload import prompt_of
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from test_kv_events import switch_storage
 from vllm.v1.metrics.stats import SchedulerStats
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from himamba.connector.observability.metrics import METRICS, PREFIX, HiMambaStats
+from himamba.connector.protocol import ControlAction
 from himamba.connector.vllm_connector import HiMambaConnector
 from himamba.tiers.cpu_pool import split_slots
 
@@ -260,6 +262,37 @@ def test_failed_writes_open_the_breaker_and_the_gauge_shows_it(make_engine, tmp_
     assert exported.counter("storage_errors", kind="backend") >= 2
     assert exported.counter("storage_breaker_opens") >= 1
     assert exported.value("storage_breaker_state") == 1  # open for the 60 s cool-down
+
+
+def test_breaker_gauge_shows_the_attached_stores_state(make_engine, tmp_path: Path):
+    broken = {"url": f"file://{tmp_path}", "breaker_failures": 2, "breaker_cooldown_s": 60.0}
+    healthy = tmp_path / "healthy"
+    healthy.mkdir()
+    with faulty_storage(StorageFaults(fail_rate_store=1.0)):
+        engine, exported = make_engine(
+            connector_config={"cpu_cache_gb": CPU_CACHE_GB, "storage": broken}
+        )
+        for i in range(3):
+            serve(engine, f"r{i}", prompt_of(30 + i, 80))
+        engine.runners[0].connector.worker.flush_storage(10)
+        engine.idle_steps(2)
+    assert exported.value("storage_breaker_state") == 1
+    # Another store attached at run time: the gauge shows its state, not the one it replaced.
+    switch_storage(engine, ControlAction.ATTACH, {"url": f"file://{healthy}"})
+    engine.idle_steps(2)
+    assert exported.value("storage_breaker_state") == 0
+
+    with faulty_storage(StorageFaults(fail_rate_store=1.0)):
+        switch_storage(engine, ControlAction.ATTACH, {**broken, "url": f"file://{tmp_path}/b"})
+        for i in range(3):
+            serve(engine, f"s{i}", prompt_of(40 + i, 80))
+        engine.runners[0].connector.worker.flush_storage(10)
+        engine.idle_steps(2)
+    assert exported.value("storage_breaker_state") == 1
+    # Detached: no store is in any state; the gauge must not keep the last one's.
+    switch_storage(engine, ControlAction.DETACH)
+    engine.idle_steps(2)
+    assert exported.value("storage_breaker_state") == 0
 
 
 def test_slow_reads_are_counted_as_timeouts_and_missing_reads_as_missing(

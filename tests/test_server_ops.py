@@ -164,7 +164,7 @@ def test_metrics_and_kv_events_follow_a_cpu_hit_and_a_storage_hit(ops_server):
             break
     else:
         raise AssertionError("A never left the CPU tier")
-    assert a_hashes <= held_kv(view, "DISK")  # written through, announced as on disk
+    assert a_hashes <= held_kv(view, "STORAGE")  # written through, announced (vLLM's medium)
     s2 = Scrape(base)
     assert s2.get(h("evictions_total"), tier="cpu", object="kv") >= hit // bs
     assert s2.get(h("stores_total"), tier="storage", object="kv") > 0
@@ -195,25 +195,51 @@ def control(base: str, *args: str) -> list[dict]:
     return resp.json()["results"]
 
 
+def settle(base: str, want: str, scheduler: bool = True, timeout_s: float = 60) -> list[dict]:
+    """Status until every rank (and the scheduler half) report ``want``. A rank's store goes
+    live at a call or step once it is open; the scheduler half hears of it with the next step,
+    so a request is served meanwhile whenever the engine would otherwise sit idle."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = control(base, "status")
+        if all(s["storage"] == want and (s["scheduler"] == want or not scheduler) for s in status):
+            return status
+        assert time.monotonic() < deadline, f"storage never settled on {want}: {status}"
+        if scheduler:
+            complete(base, prompt(499, 40))
+        time.sleep(0.1)
+
+
 def test_storage_is_detached_and_attached_over_http(ops_server, tmp_path):
     base, _ = ops_server
     assert [r["storage"] for r in control(base, "status")] == ["attached"]
     assert [r["storage"] for r in control(base, "detach_storage")] == ["detached"]
     complete(base, prompt(401, 300))  # serving goes on, without storage
+    settle(base, "detached")
     other = json.dumps({"url": f"file://{tmp_path}"})
     attached = control(base, "attach_storage", other)
-    assert attached[0]["storage"] == "attached" and attached[0]["target"] == f"file://{tmp_path}"
+    # Answered at once, before the store is open; it goes live in the background.
+    assert attached[0]["storage"] == "attaching" and attached[0]["target"] == f"file://{tmp_path}"
+    settle(base, "attached", scheduler=False)
     complete(base, prompt(402, 300))
+    settle(base, "attached")
     deadline = time.monotonic() + 30
-    while not list(tmp_path.rglob("*.data")) and time.monotonic() < deadline:
+    while not list(tmp_path.rglob("*@0@*.data")) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert list(tmp_path.rglob("*.data")), "nothing was written to the newly attached store"
+    assert list(tmp_path.rglob("*@0@*.data")), "nothing was written to the newly attached store"
     bad = requests.post(
         f"{base}/collective_rpc",
         json={"method": "himamba_control", "args": ["explode"]},
         timeout=60,
     )
     assert bad.status_code >= 400 or "unknown action" in bad.text
+    bad_section = json.dumps({"url": "ftp://nowhere/x"})
+    bad = requests.post(
+        f"{base}/collective_rpc",
+        json={"method": "himamba_control", "args": ["attach_storage", bad_section]},
+        timeout=60,
+    )
+    assert bad.status_code >= 400 or "storage.url" in bad.text
     # A bad call is an error for its caller, not for the engine: it keeps serving.
     assert [r["storage"] for r in control(base, "status")] == ["attached"]
     assert len(complete(base, prompt(403, 200))) == 16

@@ -72,19 +72,20 @@ _REDACTED = "***"
 def redacted_url(url: Any) -> Any:
     """``url`` with its password (``scheme://user:pw@host``) replaced by ``***``, for logs,
     errors and status answers; anything that is not a URL with a password comes back as it is.
-    The user name stays: it tells which account a log line is about."""
-    if not isinstance(url, str) or "@" not in url:
+    The user name stays: it tells which account a log line is about.
+
+    Not ``urlsplit``: a password may hold characters (``/``, ``?``, ``#``) that move its split,
+    and a cluster URL has several hosts; the last ``@`` before the hosts is unambiguous."""
+    if not isinstance(url, str):
         return url
-    try:
-        parts = urlsplit(url)
-        has_password = parts.password is not None
-    except ValueError:  # unparseable: hide everything before the host
-        return _REDACTED + "@" + url.rpartition("@")[2]
-    if not has_password:
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() == "file":  # a path may hold an "@"; it has no password
         return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return parts._replace(netloc=f"{user}:{_REDACTED}@{hostport}").geturl()
+    userinfo, at, hosts = rest.rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':' + _REDACTED if colon else ''}@{hosts}"
 
 
 def redacted_adapter(spec: Mapping[str, Any]) -> dict[str, Any]:

@@ -48,7 +48,9 @@ class StoreReader:
         self.store = store
         self._d = Deltas()
         self._last: tuple[int, ...] = ()
-        self._breaker = Breaker.CLOSED
+        # None: nothing reported for this store yet. Its first state is always reported: the
+        # gauge may still show the state of the store it replaced.
+        self._breaker: Breaker | None = None
 
     def read_into(self, rec: StatsRecorder) -> None:
         st = getattr(self.store, "stats", None)
@@ -85,10 +87,19 @@ class StoreReader:
         self._breaker = state
 
 
-def reader_for(current: StoreReader | None, store: Any) -> StoreReader:
-    """``current`` if it reads ``store``; else a fresh reader (storage was switched at run time:
-    the new store's counters start from zero)."""
-    return current if current is not None and current.store is store else StoreReader(store)
+def read_store(current: StoreReader | None, store: Any, rec: StatsRecorder) -> StoreReader | None:
+    """Read the attached ``store`` (None: none) into ``rec``; returns the reader to keep.
+
+    A store switched at run time gets a fresh reader (its counters start from zero, and its
+    breaker state is reported at once); a detach reports the breaker closed once, so the gauge
+    never shows the state of a store that is gone."""
+    if store is None:
+        if current is not None:
+            rec.set("storage_breaker_state", int(Breaker.CLOSED))
+        return None
+    reader = current if current is not None and current.store is store else StoreReader(store)
+    reader.read_into(rec)
+    return reader
 
 
 # (metric, series) of each scheduler counter, in the order ``SchedulerStats._read`` reads them.
@@ -153,9 +164,7 @@ class SchedulerStats:
             rec.set("cpu_slots_capacity", half.tree.kv_slots.capacity, "kv")
             rec.set("cpu_slots_capacity", half.tree.mamba_slots.capacity, "mamba")
         storage = half.storage
-        if storage is not None:
-            self._store = reader_for(self._store, storage.store)
-            self._store.read_into(rec)
+        self._store = read_store(self._store, None if storage is None else storage.store, rec)
         return rec.take()
 
 
@@ -170,10 +179,9 @@ class WorkerStats:
         half = self.half
         out = half.recorder.take()
         storage = half.storage
-        if storage is not None:
-            self._store = reader_for(self._store, storage.store)
-            self._store.read_into(storage.recorder)
-            more = storage.recorder.take()
-            if more is not None:
-                out = more if out is None else out.aggregate(more)
+        rec = half.recorder if storage is None else storage.recorder
+        self._store = read_store(self._store, None if storage is None else storage.store, rec)
+        more = rec.take()
+        if more is not None:
+            out = more if out is None else out.aggregate(more)
         return out
