@@ -5,5 +5,6 @@ reads (see runner.py). Faults are injected only where no real part produces them
 (faults.py). Every test ends with ``assert_no_leaks``.
 
 Run: ``.venv/bin/python -m pytest -q tests/lifecycle`` (HIMAMBA_SOAK_REQUESTS sets the soak
-size, 100,000 by default). Against vLLM 0.33: ``make test-vllm033``.
+size, 100,000 by default, split across its write-policy variants; HIMAMBA_SOAK_SEED its seed).
+Against vLLM 0.33: ``make test-vllm033``.
 """

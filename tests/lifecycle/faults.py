@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import os
 import random
 import sys
 import threading
@@ -59,10 +61,27 @@ def _functions_of(value: Any) -> list[Any]:
     return []
 
 
+def _ranks_module() -> str:
+    """Where ``worker_rank`` lives (it moved into ``connector.worker``; older trees kept it
+    flat, and the suite also runs against those: a module an editable install's import hook
+    finds in another tree is not the one the connector under test calls)."""
+    import himamba.connector
+
+    home = os.path.realpath(os.path.dirname(himamba.connector.__file__))
+    for name in ("himamba.connector.worker.ranks", "himamba.connector.ranks"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if os.path.realpath(module.__file__ or "").startswith(home + os.sep):
+            return name
+    raise ImportError("no himamba ranks module")
+
+
 @contextlib.contextmanager
 def worker_rank_as(rank: int) -> Iterator[None]:
     """Make the worker connector built inside this block believe it is TP rank ``rank``."""
-    with replaced_everywhere("himamba.connector.worker.ranks", "worker_rank", lambda: rank):
+    with replaced_everywhere(_ranks_module(), "worker_rank", lambda: rank):
         yield
 
 
@@ -234,7 +253,9 @@ class AckFault:
 
     ``remaining`` bounds how many non-empty metas are affected (None = all); ``rate``
     picks them at random. A delayed meta is merged into the meta that rank sends
-    ``delay_steps`` steps later, as a slow rank's late report would arrive.
+    ``delay_steps`` steps later, as a slow rank's late report would arrive. ``keep_control``:
+    a dropped meta loses only its fetch acknowledgements; the storage switches it reports
+    (run-time control) still arrive, as vLLM delivers every ModelRunnerOutput.
     """
 
     rank: int
@@ -243,6 +264,7 @@ class AckFault:
     remaining: int | None = None
     rate: float = 1.0
     seed: int = 0
+    keep_control: bool = False
     dropped: int = 0
     delayed: int = 0
     _held: list[tuple[int, Any]] = field(default_factory=list)
@@ -256,13 +278,17 @@ class AckFault:
         meta = out.kv_connector_worker_meta
         due = [m for s, m in self._held if s <= step]
         self._held = [(s, m) for s, m in self._held if s > step]
-        if meta is not None and self._affects():
+        no_acks = self.keep_control and not getattr(meta, "fetch_acks", None)
+        if meta is not None and not no_acks and self._affects():
+            kept = None
             if self.drop:
                 self.dropped += 1
+                if self.keep_control and getattr(meta, "control", None):
+                    kept = dataclasses.replace(meta, fetch_acks=[])
             else:
                 self.delayed += 1
                 self._held.append((step + self.delay_steps, meta))
-            meta = None
+            meta = kept
         for late in due:
             meta = late if meta is None else meta.aggregate(late)
         out.kv_connector_worker_meta = meta

@@ -61,6 +61,10 @@ class StepCounters:
     rows_checked: int = 0
     states_checked: int = 0
     steps: int = 0
+    # Requests whose computed prefix CHECK read at least once (all their rows and state), and
+    # requests that arrived at a worker with a computed prefix (a cache hit of any tier).
+    requests_checked: set[str] = field(default_factory=set)
+    requests_from_cache: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -161,6 +165,8 @@ class StandInRunner:
             self.requests[new.req_id] = _Req(
                 chain, len(prompt), [list(b) for b in new.block_ids], new.num_computed_tokens
             )
+            if new.num_computed_tokens:
+                self.counters.requests_from_cache.add(new.req_id)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             req = self.requests[req_id]
@@ -215,6 +221,7 @@ class StandInRunner:
         ]
         if not reqs:
             return
+        self.counters.requests_checked.update(rid for rid, _ in reqs)
         bs = self.block_size
         for gid in self.attn_groups:
             blocks, rows, headers, bounds = [], [], [], [0]

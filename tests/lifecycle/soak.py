@@ -3,7 +3,9 @@
 Prefixes are drawn from a skewed pool of "documents", so the hottest stay in vLLM's GPU
 cache, warm ones live in the CPU tier, and cold ones are only in storage (the CPU tier is
 small): hits happen on every tier. Faults: aborts at random moments, failed host->device
-loads, failed storage ops, delayed and lost fetch acknowledgements.
+loads, failed storage ops, delayed and lost fetch acknowledgements. With a ``churn``
+(churn.Churn) storage is also attached, detached and switched between steps, and the caches
+are reset (see churn.py).
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .engine import LifecycleEngine
 from .faults import AckFault
 from .workload import prompt_of
+
+if TYPE_CHECKING:
+    from .churn import Churn
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,9 @@ class SoakPlan:
     # (seconds), so a fixed number spread over the run, not a rate.
     lost_acks: int = 10
     node_sample_every: int = 200
+    # Share of requests with a cache salt (one of ``salts``): same tokens, other bytes.
+    salted_share: float = 0.0
+    salts: tuple[str, ...] = ("tenant-a", "tenant-b")
 
 
 @dataclass
@@ -68,7 +76,10 @@ def tree_nodes(engine: LifecycleEngine) -> int:
 
 
 def run_soak(
-    engine: LifecycleEngine, plan: SoakPlan, lost_acks: AckFault | None = None
+    engine: LifecycleEngine,
+    plan: SoakPlan,
+    lost_acks: AckFault | None = None,
+    churn: Churn | None = None,
 ) -> SoakResult:
     rng = random.Random(plan.seed)
     bs = engine.kv.block_size
@@ -80,7 +91,11 @@ def run_soak(
     arm_every = max(1, plan.num_requests // (plan.lost_acks + 1))
     start = time.monotonic()
     while next_id < plan.num_requests or live:
-        while next_id < plan.num_requests and len(live) < plan.live_requests:
+        while (
+            next_id < plan.num_requests
+            and len(live) < plan.live_requests
+            and (churn is None or churn.may_admit())
+        ):
             d = _document(rng, plan)
             if d not in docs:
                 docs[d] = prompt_of(10_000 + d, rng.randint(*plan.doc_blocks) * bs)
@@ -88,7 +103,12 @@ def run_soak(
             if lost_acks is not None and next_id and next_id % arm_every == 0:
                 lost_acks.arm(1)
             rid = f"s{next_id}"
-            engine.add_request(rid, prompt, max_tokens=rng.randint(*plan.max_tokens))
+            salt = None
+            if plan.salted_share and rng.random() < plan.salted_share:
+                salt = rng.choice(plan.salts)
+            engine.add_request(
+                rid, prompt, max_tokens=rng.randint(*plan.max_tokens), cache_salt=salt
+            )
             live.add(rid)
             if rng.random() < plan.abort_rate:
                 abort_at.setdefault(engine.steps + rng.randint(0, 6), []).append(rid)
@@ -99,6 +119,8 @@ def run_soak(
                 engine.abort([rid])
         for rid in [r for r in live if engine.records[r].finish is not None]:
             live.discard(rid)
+        if churn is not None:
+            churn.after_step(live)
         if engine.steps % plan.node_sample_every == 0:
             result.max_tree_nodes = max(result.max_tree_nodes, tree_nodes(engine))
     engine.run_until_idle()
@@ -116,10 +138,11 @@ def run_soak(
     return result
 
 
-def ack_faults(seed: int) -> tuple[AckFault, AckFault]:
+def ack_faults(seed: int, keep_control: bool = False) -> tuple[AckFault, AckFault]:
     """(late, lost) acknowledgements on rank 0: 10% of metadata arrive 2 steps late; the lost
-    one drops the next metadata each time ``run_soak`` arms it."""
+    one drops the next metadata each time ``run_soak`` arms it (``keep_control``: only its
+    fetch acknowledgements, storage switches still arrive)."""
     return (
         AckFault(rank=0, delay_steps=2, rate=0.1, seed=seed),
-        AckFault(rank=0, drop=True, remaining=0),
+        AckFault(rank=0, drop=True, remaining=0, keep_control=keep_control),
     )

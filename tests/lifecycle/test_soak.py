@@ -1,58 +1,84 @@
-"""The random soak (size: HIMAMBA_SOAK_REQUESTS, 100,000 by default, as in CI)."""
+"""The random soak under storage churn, once per write policy.
+
+Size: HIMAMBA_SOAK_REQUESTS (100,000 by default, as in CI), split evenly across the variants.
+Each variant runs vLLM's real scheduler over a CPU tier of a few dozen KV slots and a handful
+of Mamba slots, an LMCache ``file://`` store, every fault (aborts, failed loads, failed storage
+ops, late and lost acknowledgements) and random control between steps (attach, detach, switch
+store, resets with and without the connector, ``drop_host_tier``, weight updates). It must end
+with no error, nothing held, no step plan that gives a host slot two roles, and every object
+left in every store directory holding exactly the bytes of the prefix its key names.
+"""
 
 from __future__ import annotations
 
 import os
 
-from .conftest import connector_config
-from .faults import LoadFaults, StorageFaults, failing_loads, faulty_storage
-from .leaks import assert_no_leaks
-from .soak import SoakPlan, ack_faults, run_soak
+import pytest
+
+from .churn import (
+    ACTIONS,
+    CHURN_KV_SLOTS,
+    CHURN_MAMBA_SLOTS,
+    ChurnReport,
+    ChurnVariant,
+    run_churn_soak,
+)
 
 SOAK_REQUESTS = int(os.environ.get("HIMAMBA_SOAK_REQUESTS", "100000"))
+SOAK_SEED = int(os.environ.get("HIMAMBA_SOAK_SEED", "0"))
+
+VARIANTS = (
+    ChurnVariant("write_through"),
+    ChurnVariant("write_through_selective"),
+    ChurnVariant("write_back"),
+)
 
 
-def test_soak_with_faults_ends_clean(make_engine, store_url):
-    storage = {
-        "prefetch_timeout_base_s": 0.1,
-        "op_deadline_s": 0.5,
-        "breaker_cooldown_s": 0.2,
-    }
-    with (
-        faulty_storage(
-            StorageFaults(fail_rate_lookup=0.01, fail_rate_load=0.02, fail_rate_store=0.01)
-        ) as storage_faults,
-        failing_loads(LoadFaults(fail_rate=0.01, seed=1)) as load_faults,
-    ):
-        engine = make_engine(
-            describe=False,
-            num_gpu_blocks=320,
-            max_num_seqs=128,
-            max_num_batched_tokens=2048,
-            max_model_len=512,
-            connector_config=connector_config(store_url, storage=storage),
-        )
-        late, lost = ack_faults(seed=2)
-        engine.output_faults.extend((late, lost))
-        result = run_soak(engine, SoakPlan(num_requests=SOAK_REQUESTS), lost_acks=lost)
-        assert_no_leaks(engine)
-    print(result, engine.hits, storage_faults.counts, load_faults.failed)
-    assert result.requests == SOAK_REQUESTS
-    assert result.finished + result.aborted + result.errors == SOAK_REQUESTS
-    assert result.errors == 0  # recompute policy: a failed load is never a user-visible error
-    # Hits really came from every tier.
-    assert engine.hits.local_hits > 0
-    assert engine.hits.host > 0, engine.hits
-    assert engine.hits.storage > 0, engine.hits
-    # Every fault kind fired.
-    assert load_faults.failed > 0
-    assert (
-        storage_faults.counts.get("failed_load", 0) + storage_faults.counts.get("failed_store", 0)
-        > 0
+def _share(i: int) -> int:
+    """Variant i's part of SOAK_REQUESTS (the parts add up to it exactly)."""
+    n = len(VARIANTS)
+    return SOAK_REQUESTS // n + (i < SOAK_REQUESTS % n)
+
+
+@pytest.mark.parametrize("index", range(len(VARIANTS)), ids=[v.name for v in VARIANTS])
+def test_soak_under_churn_ends_clean_and_exact(make_engine, tmp_path, index):
+    variant, n = VARIANTS[index], _share(index)
+    report = ChurnReport(variant.name, n, SOAK_SEED)
+    try:
+        run_churn_soak(make_engine, tmp_path, variant, n, seed=SOAK_SEED, report=report)
+    finally:
+        print(report.line())
+    result, hits, churn, plans, storage = (
+        report.result,
+        report.hits,
+        report.churn,
+        report.plans,
+        report.storage,
     )
-    assert late.delayed > 0 and lost.dropped > 0
+    assert report.capacities == (CHURN_KV_SLOTS, CHURN_MAMBA_SLOTS)
+    # Nothing held once idle (vLLM, both connector roles; see leaks.assert_no_leaks).
+    assert not report.leaks, "leaked after the engine went idle:\n  " + "\n  ".join(report.leaks)
+    assert result.requests == n
+    assert result.finished + result.aborted + result.errors == n
+    assert result.errors == 0  # recompute policy: a failed load is never a user-visible error
+    # The runner checked what steps read (every attention row and Mamba state of every step),
+    # in particular every request that started from a cached prefix of any tier.
+    assert report.rows_checked > 0 and report.states_checked > 0
+    assert report.from_cache_unchecked == 0
+    # No plan gave one host slot two roles.
+    assert plans.conflict_entries == 0, plans.summary()
+    # Every object left in storage holds exactly its prefix's bytes.
+    assert storage.objects > 0
+    assert not storage.problems(), "\n".join(storage.problems())
+    # Hits came from every tier; every fault and every control action happened.
+    assert hits.local_hits > 0 and hits.host > 0 and hits.storage > 0, hits
+    faults = report.faults
+    assert faults["failed_loads"] > 0 and faults["late_acks"] > 0 and faults["lost_acks"] > 0
+    assert sum(v for k, v in faults["storage"].items() if k.startswith("failed_")) > 0
     assert result.aborted > 0
+    if n >= 20_000:
+        assert set(churn.actions) == set(ACTIONS), churn.actions
+        assert churn.weight_updates > 0 and len(churn.urls_used) > 1
     # Metadata stays bounded by the host capacity, not by the number of requests.
-    stats = result.connector_stats
-    capacity = stats["host_kv_capacity"] + stats["host_mamba_capacity"]
+    capacity = sum(report.capacities)
     assert result.max_tree_nodes <= 8 * capacity + 2048, result
