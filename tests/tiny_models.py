@@ -139,7 +139,7 @@ def qwen3_next_config(dtype: str = "float32") -> dict[str, Any]:
 
 def build_granite_hybrid(root: Path = DEFAULT_CACHE_DIR, dtype: str = "float32") -> Path:
     """Build (or reuse) the tiny GraniteMoeHybrid checkpoint with a tokenizer; return its folder."""
-    return _build(root, f"granite-hybrid-{dtype}", granite_hybrid_config(dtype))
+    return build_model(root, f"granite-hybrid-{dtype}", granite_hybrid_config(dtype))
 
 
 def build_granite_hybrid_wide_state(root: Path = DEFAULT_CACHE_DIR) -> Path:
@@ -147,12 +147,12 @@ def build_granite_hybrid_wide_state(root: Path = DEFAULT_CACHE_DIR) -> Path:
     256 tokens (an attention page must hold a Mamba state page), unlike the CPU default 128."""
     config = granite_hybrid_config("float32")
     config["mamba_d_state"] = 64
-    return _build(root, "granite-hybrid-wide-state-float32", config)
+    return build_model(root, "granite-hybrid-wide-state-float32", config)
 
 
 def build_qwen3_next(root: Path = DEFAULT_CACHE_DIR, dtype: str = "float32") -> Path:
     """Build (or reuse) the tiny Qwen3-Next checkpoint with a tokenizer; return its folder."""
-    return _build(root, f"qwen3-next-{dtype}", qwen3_next_config(dtype))
+    return build_model(root, f"qwen3-next-{dtype}", qwen3_next_config(dtype))
 
 
 def build_tokenizer(model_dir: Path) -> None:
@@ -183,7 +183,8 @@ def build_tokenizer(model_dir: Path) -> None:
     fast.save_pretrained(str(model_dir))
 
 
-def _build(root: Path, name: str, config: dict[str, Any]) -> Path:
+def build_model(root: Path, name: str, config: dict[str, Any]) -> Path:
+    """Write (once, cached by a fingerprint of ``config``) a tiny random-weight checkpoint."""
     root = Path(root)
     target = root / name
     fingerprint = _fingerprint(config)

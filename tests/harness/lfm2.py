@@ -3,32 +3,19 @@
 Layers alternate ``conv`` / ``full_attention`` (4 by default), float32, hidden 256, vocabulary
 1024, ``conv_L_cache`` 3. Weights are drawn with std 0.1 (norms keep their init): vLLM's
 ``load_format="dummy"`` weights (uniform +-1e-3) make greedy decoding collapse into a loop,
-which would hide a wrong conv state. No tokenizer is written; engines run with
-``skip_tokenizer_init=True`` and token-id prompts.
-
-A build lands in ``<root>/<name>`` through a temporary folder and an atomic rename, with a
-``.complete`` marker holding a fingerprint of the recipe; a folder whose marker matches is reused.
+which would hide a wrong conv state. Engines run with ``skip_tokenizer_init=True`` and token-id
+prompts. Built and cached like the other tiny models (``tiny_models.build_model``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CACHE_DIR = Path(os.environ.get("HIMAMBA_TEST_CACHE") or REPO_ROOT / ".cache" / "models")
+from tiny_models import DEFAULT_CACHE_DIR, build_model
 
 VOCAB_SIZE = 1024
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-WEIGHT_STD = 0.1
-SEED = 1234
-_MARKER = ".complete"
-_RECIPE_VERSION = 1
 
 
 def lfm2_config(dtype: str = "float32", n_layers: int = 4) -> dict[str, Any]:
@@ -67,63 +54,8 @@ def lfm2_config(dtype: str = "float32", n_layers: int = 4) -> dict[str, Any]:
 
 
 def build_lfm2(root: Path = DEFAULT_CACHE_DIR, dtype: str = "float32") -> Path:
-    """Build (or reuse) the tiny LFM2 checkpoint; return its folder."""
-    config = lfm2_config(dtype)
-    root = Path(root)
-    target = root / f"lfm2-{dtype}"
-    fingerprint = _fingerprint(config)
-    if _is_complete(target, fingerprint):
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared between users.
-    try:
-        _write_weights(tmp, config)
-        (tmp / _MARKER).write_text(fingerprint)
-        if target.exists():
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            tmp.rename(target)
-        except OSError:
-            # Another process finished the same build first; use its copy if it is complete.
-            if not _is_complete(target, fingerprint):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _fingerprint(config: dict[str, Any]) -> str:
-    blob = json.dumps(
-        {"config": config, "std": WEIGHT_STD, "seed": SEED, "recipe": _RECIPE_VERSION},
-        sort_keys=True,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def _is_complete(path: Path, fingerprint: str) -> bool:
-    marker = path / _MARKER
-    return marker.is_file() and marker.read_text().strip() == fingerprint
-
-
-def _write_weights(out: Path, config: dict[str, Any]) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(config)
-    model_type = cfg.pop("model_type")
-    hf_config = AutoConfig.for_model(model_type, **cfg)
-    torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                continue
-            param.copy_(torch.randn(param.shape, generator=gen) * WEIGHT_STD)
-    model = model.to(getattr(torch, config["dtype"]))
-    model.config.architectures = config["architectures"]
-    model.save_pretrained(str(out), safe_serialization=True)
+    """The tiny LFM2 checkpoint (cached; same random-weight recipe as the other tiny models)."""
+    return build_model(root, f"lfm2-{dtype}", lfm2_config(dtype))
 
 
 if __name__ == "__main__":
