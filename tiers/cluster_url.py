@@ -21,6 +21,8 @@ import importlib.util
 from typing import Any
 from urllib.parse import unquote
 
+from .redaction import redacted_url
+
 CLUSTER_SCHEMES = {
     "redis+cluster": False,  # scheme -> TLS
     "valkey+cluster": False,
@@ -39,21 +41,6 @@ def is_cluster_url(url: Any) -> bool:
         return False
     scheme, sep, _ = url.partition("://")
     return bool(sep) and scheme.lower() in CLUSTER_SCHEMES
-
-
-def redacted_cluster_url(url: str) -> str:
-    """`url` with the password between `user:` and the last `@` replaced by `***`.
-
-    Not `urlsplit`: a multi-host netloc has no single port, and a password may hold characters
-    (`/`, `?`, `#`) that would move the split; the last `@` before the hosts is unambiguous."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    userinfo, at, hosts = rest.rpartition("@")
-    if not at:
-        return url
-    user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{hosts}"
 
 
 def _err(msg: str) -> ValueError:
@@ -89,7 +76,7 @@ def cluster_adapter_spec(
     Raises `ValueError('storage.url: ...')` with the URL's password hidden, and, unless
     `require_client` is False, one naming the `himamba[cluster]` extra when GLIDE is missing.
     """
-    shown = redacted_cluster_url(url)
+    shown = redacted_url(url)
     scheme, sep, rest = url.partition("://")
     tls = CLUSTER_SCHEMES.get(scheme.lower())
     if not sep or tls is None:

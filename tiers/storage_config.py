@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 from .cluster_url import cluster_adapter_spec, is_cluster_url
 from .config_fields import number
 from .object_format import CHECKSUM_ALGOS  # struct/hashlib only: no LMCache, no torch
+from .redaction import REDACTED, SECRET_KEYS, redacted_url
 
 CHECKSUMS = tuple(CHECKSUM_ALGOS)
 WEIGHTS_FINGERPRINTS = ("sampled", "full")
@@ -65,33 +66,10 @@ def _err(key: str, msg: str) -> ValueError:
 
 
 # Adapter spec keys whose values are secrets (Redis AUTH, cloud credentials): never shown.
-_SECRET_KEYS = ("password", "secret", "token", "credential")
-_REDACTED = "***"
-
-
-def redacted_url(url: Any) -> Any:
-    """``url`` with its password (``scheme://user:pw@host``) replaced by ``***``, for logs,
-    errors and status answers; anything that is not a URL with a password comes back as it is.
-    The user name stays: it tells which account a log line is about.
-
-    Not ``urlsplit``: a password may hold characters (``/``, ``?``, ``#``) that move its split,
-    and a cluster URL has several hosts; the last ``@`` before the hosts is unambiguous."""
-    if not isinstance(url, str):
-        return url
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() == "file":  # a path may hold an "@"; it has no password
-        return url
-    userinfo, at, hosts = rest.rpartition("@")
-    if not at:
-        return url
-    user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user}{':' + _REDACTED if colon else ''}@{hosts}"
-
-
 def redacted_adapter(spec: Mapping[str, Any]) -> dict[str, Any]:
     """An adapter spec with every secret-looking value replaced by ``***``."""
     return {
-        k: _REDACTED if any(s in str(k).lower() for s in _SECRET_KEYS) and v else v
+        k: REDACTED if any(s in str(k).lower() for s in SECRET_KEYS) and v else v
         for k, v in spec.items()
     }
 

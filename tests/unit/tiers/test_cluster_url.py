@@ -11,7 +11,6 @@ from himamba.tiers import cluster_url
 from himamba.tiers.cluster_url import (
     cluster_adapter_spec,
     is_cluster_url,
-    redacted_cluster_url,
     require_cluster_client,
 )
 from himamba.tiers.storage_config import StorageConfig, redacted_adapter, redacted_url
@@ -126,10 +125,10 @@ def test_empty_password_after_colon_is_an_error():
 
 def test_redaction_hides_only_the_password():
     url = f"redis+cluster://alice:{SECRET}@a:1,b:2"
-    assert redacted_cluster_url(url) == "redis+cluster://alice:***@a:1,b:2"
+    assert redacted_url(url) == "redis+cluster://alice:***@a:1,b:2"
     # The storage tier's own URL redaction (logs, status) agrees on a multi-host netloc.
     assert redacted_url(url) == "redis+cluster://alice:***@a:1,b:2"
-    assert redacted_cluster_url("redis+cluster://alice@a:1") == "redis+cluster://alice@a:1"
+    assert redacted_url("redis+cluster://alice@a:1") == "redis+cluster://alice@a:1"
 
 
 def test_config_repr_target_and_log_lines_hide_the_password(caplog):
