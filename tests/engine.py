@@ -25,15 +25,18 @@ def run_scenario(
     if faults:
         env["PYTHONPATH"] = os.pathsep.join([str(HERE / "faults"), str(HERE)])
         env["HIMAMBA_TEST_FAULTS"] = json.dumps(faults)
+    script = [str(HERE / "scenarios.py"), name, json.dumps(args)]
+    return run_script(script, env, timeout, f"scenario {name}")
+
+
+def run_script(argv: list[str], env: dict[str, str], timeout: float, what: str) -> dict[str, Any]:
+    """Run ``python argv...`` and return the JSON of its ``RESULT`` line; fail with the tail of
+    its output (naming ``what``) when it printed none."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "scenarios.py"), name, json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
+        [sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
     tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
-    raise AssertionError(f"scenario {name} failed (rc={proc.returncode}):\n{tail}")
+    raise AssertionError(f"{what} failed (rc={proc.returncode}):\n{tail}")

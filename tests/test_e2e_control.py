@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engine import run_script
 from scenarios import prompt
 
 pytestmark = pytest.mark.e2e
@@ -21,18 +20,8 @@ HERE = Path(__file__).resolve().parent
 
 def run_control_scenario(args: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(HERE)}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "e2e" / "control_scenario.py"), json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
-    raise AssertionError(f"control scenario failed (rc={proc.returncode}):\n{tail}")
+    script = [str(HERE / "e2e" / "control_scenario.py"), json.dumps(args)]
+    return run_script(script, env, timeout, "control scenario")
 
 
 def test_storage_detaches_and_attaches_without_a_restart(granite_model, tmp_path):
