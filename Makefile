@@ -42,7 +42,7 @@ bench-multiturn: setup
 	# The `bench` extra (matplotlib) is not pinned in constraints.txt, so it is installed plainly.
 	$(PY) -m pip install -q "matplotlib>=3.8" 2>&1 | $(QUIET_PIP)
 	mkdir -p $(BENCH_OUT)
-	$(PY) benchmarks/bench_multiturn.py $(BENCH_MULTITURN_ARGS) \
+	$(PY) -m benchmarks.bench_multiturn $(BENCH_MULTITURN_ARGS) \
 		--out $(BENCH_OUT)/multiturn.json --plot $(BENCH_OUT)/multiturn.png
 
 lint: setup

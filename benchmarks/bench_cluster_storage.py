@@ -16,8 +16,8 @@ All servers run in this process's run, no persistence; reps interleaved, best of
 Ratios: ours / reference. On a small VM the redis-servers, the client threads and the
 checksum share the same cores, so absolute GB/s say more about the box than the store.
 
-    python benchmarks/bench_cluster_storage.py               # ~1 min on a 2-core VM
-    python benchmarks/bench_cluster_storage.py --objects 64  # quicker
+    python -m benchmarks.bench_cluster_storage               # ~1 min on a 2-core VM
+    python -m benchmarks.bench_cluster_storage --objects 64  # quicker
 """
 
 from __future__ import annotations
@@ -33,11 +33,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
 
-from bench_storage import StoreRun, _gbps, _ratio, _timed, raw_redis_rep  # noqa: E402
-
+from benchmarks.bench_storage import StoreRun, _gbps, _ratio, _timed, raw_redis_rep  # noqa: E402
 from himamba.tiers.cluster_url import cluster_adapter_spec  # noqa: E402
 
 
@@ -75,8 +72,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="best of (interleaved reps)")
     ap.add_argument("--checksum", default=None, help="storage.checksum (default: the config's)")
     args = ap.parse_args()
-    from harness.redis_cluster import RedisCluster
-    from storage_fixtures import RedisServer
+    from tests.harness.redis_cluster import RedisCluster
+    from tests.harness.redis_server import RedisServer
 
     if shutil.which("redis-server") is None:
         sys.exit("redis-server not installed (apt-get install -y redis-server)")

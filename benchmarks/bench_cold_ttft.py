@@ -6,7 +6,7 @@ times on 127.0.0.1 (no connector; himamba with the CPU tier; himamba with the CP
 directory store; the same with the store's threads at the engine's priority) and sends the same sequence of fresh prompts to each, one at a time, streaming,
 timing the first streamed token. Servers run one after another, each with the same warm-up.
 
-    python benchmarks/bench_cold_ttft.py [--requests 30] [--prompt-len 1000] [--out FILE.json]
+    python -m benchmarks.bench_cold_ttft [--requests 30] [--prompt-len 1000] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,12 +22,10 @@ from typing import Any
 import requests
 
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent / "tests"
-sys.path.insert(0, str(TESTS))
 
-from openai_server import running_server  # noqa: E402
-from scenarios import prompt  # noqa: E402
-from tiny_models import DEFAULT_CACHE_DIR, build_granite_hybrid  # noqa: E402
+from tests.harness.openai_server import running_server  # noqa: E402
+from tests.harness.scenarios import prompt  # noqa: E402
+from tests.harness.tiny_models import DEFAULT_CACHE_DIR, build_granite_hybrid  # noqa: E402
 
 
 def ttft(base: str, ids: list[int]) -> float:

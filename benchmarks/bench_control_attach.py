@@ -21,8 +21,8 @@ Reported (one JSON line):
   with other work is the part a step's wall time does not isolate;
 * how long the attach took (workers live, scheduler half live) and the control calls' latency.
 
-    python benchmarks/bench_control_attach.py               # 1 GiB of padding
-    python benchmarks/bench_control_attach.py --pad-mb 256 --start-with-storage
+    python -m benchmarks.bench_control_attach               # 1 GiB of padding
+    python -m benchmarks.bench_control_attach --pad-mb 256 --start-with-storage
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -40,8 +39,6 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent / "tests"
-sys.path.insert(0, str(TESTS))
 
 # The engine core in its own process: the control call then runs on its loop, between steps,
 # as on a server.
@@ -167,10 +164,11 @@ class Controller(threading.Thread):
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from scenarios import prompt
-    from tiny_models import DEFAULT_CACHE_DIR, build_granite_hybrid
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
+    from tests.harness.scenarios import prompt
+    from tests.harness.tiny_models import DEFAULT_CACHE_DIR, build_granite_hybrid
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-control-"))
     hook_log = tmp / "hooks"

@@ -15,8 +15,8 @@ generated with ``max_tokens`` (default 1, so the time is prefill / TTFT):
 Each engine runs in its own subprocess (vLLM keeps the worker connector in a process-global
 slot). Output: one JSON line per (model, N), then one summary line.
 
-    python benchmarks/bench_cpu_tier.py            # tiny + bigger model, N = 1024, 4096, 5 reps
-    python benchmarks/bench_cpu_tier.py --quick    # tiny model only, 3 reps (~1 min)
+    python -m benchmarks.bench_cpu_tier            # tiny + bigger model, N = 1024, 4096, 5 reps
+    python -m benchmarks.bench_cpu_tier --quick    # tiny model only, 3 reps (~1 min)
 """
 
 from __future__ import annotations
@@ -31,20 +31,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.harness.subprocess_run import child_env
+
 REPO = Path(__file__).resolve().parents[1]
-TESTS = REPO / "tests"
 BENCH_MODELS = REPO / ".cache" / "bench-models"
 # vLLM sizes a hybrid model's block so one attention page holds one Mamba state page: 128
 # tokens for the tests' tiny model, 256 for the "big" variant. The child engine reports it.
 MAX_MODEL_LEN = 8192
 
-sys.path.insert(0, str(TESTS))
-
 
 # -- models ------------------------------------------------------------------------------
 def model_config(kind: str) -> dict[str, Any]:
     """The tests' tiny Granite config, or a larger variant; both allow 8k positions."""
-    from tiny_models import granite_hybrid_config
+    from tests.harness.tiny_models import granite_hybrid_config
 
     cfg = granite_hybrid_config("float32")
     cfg["max_position_embeddings"] = MAX_MODEL_LEN
@@ -75,7 +74,7 @@ def model_config(kind: str) -> dict[str, Any]:
 
 
 def build_model(kind: str) -> Path:
-    from tiny_models import _build
+    from tests.harness.tiny_models import _build
 
     return _build(BENCH_MODELS, f"granite-bench-{kind}-float32", model_config(kind))
 
@@ -87,7 +86,7 @@ def serve_engine(args: dict[str, Any]) -> None:
     Both engines (with and without the connector) stay up side by side and the parent
     alternates between them, so background load on a shared box hits both alike.
     """
-    from scenarios import close_llm, connectors, generate, make_llm, prompt
+    from tests.harness.scenarios import close_llm, connectors, generate, make_llm, prompt
 
     with_connector = args["mode"] == "connector"
     extra = {"cpu_cache_gb": args["cpu_cache_gb"]} if with_connector else None
@@ -149,15 +148,12 @@ def reply(obj: dict[str, Any]) -> None:
 class ChildEngine:
     """Parent-side handle of a benchmark's child engine process (JSON lines over pipes)."""
 
-    def __init__(self, label: str, script: str, args: dict[str, Any], log: Path) -> None:
+    def __init__(self, label: str, module: str, args: dict[str, Any], log: Path) -> None:
         self.label = label
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-        }
+        env = child_env()
         self.log = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, script, "--child", json.dumps(args)],
+            [sys.executable, "-m", module, "--child", json.dumps(args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -196,7 +192,9 @@ class ChildEngine:
 class Engine(ChildEngine):
     def __init__(self, args: dict[str, Any]) -> None:
         self.mode = args["mode"]
-        super().__init__(self.mode, __file__, args, BENCH_MODELS / f"engine-{self.mode}.log")
+        super().__init__(
+            self.mode, "benchmarks.bench_cpu_tier", args, BENCH_MODELS / f"engine-{self.mode}.log"
+        )
 
 
 # -- parent --------------------------------------------------------------------------------

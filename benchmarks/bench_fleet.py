@@ -19,7 +19,7 @@ the replicas' ``vllm:himamba_hit_tokens{tier}`` deltas. Tokens must be identical
 configurations (exit status 1 otherwise). Goal: turns >= 2, median TTFT of shared_cluster
 <= 0.5x private_cpu.
 
-    python benchmarks/bench_fleet.py --out /tmp/fleet.json --plot /tmp/fleet.png   # ~6 min, 2 cores
+    python -m benchmarks.bench_fleet --out /tmp/fleet.json --plot /tmp/fleet.png   # ~6 min, 2 cores
 """
 
 from __future__ import annotations
@@ -40,11 +40,9 @@ from typing import Any
 import requests
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
 
-from multiturn_server import Server, ServerSettings, stop_process_group  # noqa: E402
-from multiturn_workload import Workload, stream_completion  # noqa: E402
+from benchmarks.multiturn_server import Server, ServerSettings, stop_process_group  # noqa: E402
+from benchmarks.multiturn_workload import Workload, stream_completion  # noqa: E402
 
 CONFIGS = ("no_connector", "private_cpu", "shared_cluster")
 GOAL = 0.5
@@ -230,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     a = ap.parse_args(argv)
-    from bench_cpu_tier import build_model
-    from harness.redis_cluster import RedisCluster
+    from benchmarks.bench_cpu_tier import build_model
+    from tests.harness.redis_cluster import RedisCluster
 
     w = Workload(
         a.conversations,

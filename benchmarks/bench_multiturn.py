@@ -16,9 +16,9 @@ across configurations for every turn of every conversation; mismatches are liste
 exit status 1. Goal reported against: turns >= 2 at ~4k-token conversations <= 0.3x no-connector
 TTFT.
 
-    python benchmarks/bench_multiturn.py --out /tmp/mt.json --plot /tmp/mt.png   # ~15 min, 2 cores
-    python benchmarks/bench_multiturn.py --quick --out /tmp/q.json --plot /tmp/q.png   # ~3 min
-    python benchmarks/bench_multiturn.py --replot /tmp/mt.json --plot /tmp/mt.png  # no server
+    python -m benchmarks.bench_multiturn --out /tmp/mt.json --plot /tmp/mt.png   # ~15 min, 2 cores
+    python -m benchmarks.bench_multiturn --quick --out /tmp/q.json --plot /tmp/q.png   # ~3 min
+    python -m benchmarks.bench_multiturn --replot /tmp/mt.json --plot /tmp/mt.png  # no server
 
 Pass-throughs (the benchmark itself never tunes the connector): ``--extra-config JSON`` is merged
 into himamba's ``kv_connector_extra_config``; ``--engine-arg=--some-vllm-flag=value`` (repeat) is
@@ -42,10 +42,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
 
-from multiturn_report import (  # noqa: E402
+from benchmarks.multiturn_report import (  # noqa: E402
     RunStatus,
     plot,
     render_table,
@@ -54,7 +52,7 @@ from multiturn_report import (  # noqa: E402
     ttft_ratios,
     turn_table,
 )
-from multiturn_server import (  # noqa: E402
+from benchmarks.multiturn_server import (  # noqa: E402
     ConfigKind,
     ConnectorSettings,
     PrefixCounters,
@@ -64,7 +62,7 @@ from multiturn_server import (  # noqa: E402
     kv_transfer_config,
     root_cause,
 )
-from multiturn_workload import RunResult, Workload, run_conversations, warm_up  # noqa: E402
+from benchmarks.multiturn_workload import RunResult, Workload, run_conversations, warm_up  # noqa: E402
 
 GOAL_RATIO = 0.3
 # vLLM resolves a hybrid's block size at start-up (from page sizes), and a request holds a few
@@ -150,7 +148,7 @@ def resolve_preset(a: argparse.Namespace) -> Preset:
 def model_path(name: str) -> tuple[Path, tuple[int, int]]:
     """The checkpoint folder, and its guessed (block size, extra blocks per request)."""
     if name in BLOCK_GUESS:
-        from bench_cpu_tier import build_model
+        from benchmarks.bench_cpu_tier import build_model
 
         return build_model(name), BLOCK_GUESS[name]
     return Path(name).resolve(), GENERIC_GUESS

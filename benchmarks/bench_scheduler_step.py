@@ -16,7 +16,7 @@ Reported per engine: mean / p50 / p90 scheduler time per step in the prefill pha
 being admitted, 4k-token chunks) and in the decode phase (all 256 running), and the ratio of
 each to ``none``. ``--out`` writes the same as JSON.
 
-Run: ``.venv/bin/python benchmarks/bench_scheduler_step.py --out bench.json``
+Run: ``.venv/bin/python -m benchmarks.bench_scheduler_step --out bench.json``
 """
 
 from __future__ import annotations
@@ -27,22 +27,20 @@ import json
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from lifecycle.engine import LifecycleEngine  # noqa: E402
-from lifecycle.vllm_setup import EngineSpec, make_model_config, write_model_dir  # noqa: E402
-from lifecycle.workload import prompt_of  # noqa: E402
+from tests.lifecycle.engine import LifecycleEngine  # noqa: E402
+from tests.lifecycle.vllm_setup import EngineSpec, make_model_config, write_model_dir  # noqa: E402
+from tests.lifecycle.workload import prompt_of  # noqa: E402
 
 
 @dataclasses.dataclass

@@ -10,8 +10,8 @@ stores KV blocks and Mamba states), one without any connector. The parent altern
 * ``miss``: one fresh prompt of ``--miss-tokens`` tokens, ``max_tokens=1`` (prefill of a miss;
   the connector stores all of it into its CPU tier in the same steps).
 
-    python benchmarks/bench_step_overhead.py                 # "big" model, 5 reps (~4 min here)
-    python benchmarks/bench_step_overhead.py --model tiny --reps 3
+    python -m benchmarks.bench_step_overhead                 # "big" model, 5 reps (~4 min here)
+    python -m benchmarks.bench_step_overhead --model tiny --reps 3
 """
 
 from __future__ import annotations
@@ -22,13 +22,9 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu_tier import BENCH_MODELS, MAX_MODEL_LEN, TESTS, ChildEngine, build_model  # noqa: E402
-
-sys.path.insert(0, str(TESTS))
+from benchmarks.bench_cpu_tier import BENCH_MODELS, MAX_MODEL_LEN, ChildEngine, build_model  # noqa: E402
 
 
 def decode_steps(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -58,7 +54,7 @@ def decode_steps(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[st
 
 
 def serve_engine(args: dict[str, Any]) -> None:
-    from scenarios import close_llm, connectors, generate, make_llm, prompt
+    from tests.harness.scenarios import close_llm, connectors, generate, make_llm, prompt
 
     with_connector = args["mode"] == "connector"
     extra = {"cpu_cache_gb": args["cpu_cache_gb"]} if with_connector else None
@@ -111,7 +107,10 @@ def main() -> None:
     }
     engines = {
         mode: ChildEngine(
-            mode, __file__, {**common, "mode": mode}, BENCH_MODELS / f"step-{mode}.log"
+            mode,
+            "benchmarks.bench_step_overhead",
+            {**common, "mode": mode},
+            BENCH_MODELS / f"step-{mode}.log",
         )
         for mode in ("connector", "none")
     }

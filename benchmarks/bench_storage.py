@@ -12,8 +12,8 @@ does (adapter -> staging buffer -> check -> copy into the slot).
 Reps are interleaved across variants and each write phase starts after `os.sync()`, so dirty-page
 writeback from one variant does not land on the next; best of `--reps`.
 
-    python benchmarks/bench_storage.py                  # ~1 min on a 2-core VM
-    python benchmarks/bench_storage.py --objects 64     # quicker
+    python -m benchmarks.bench_storage                  # ~1 min on a 2-core VM
+    python -m benchmarks.bench_storage --objects 64     # quicker
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,9 +40,6 @@ from himamba.tiers.object_format import (
 )
 from himamba.tiers.staging import ObjectView
 from himamba.tiers.storage_config import StorageConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 
 SLOT_LAYERS = 32  # per-layer rows of a host slot (the "in_place" and "staged_slot" variants)
 
@@ -212,7 +208,7 @@ def main() -> None:
             ),
         }
         if not args.no_redis and shutil.which("redis-server"):
-            from storage_fixtures import RedisServer
+            from tests.harness.redis_server import RedisServer
 
             srv = RedisServer(root)
             srv.start()

@@ -25,8 +25,8 @@ for storage hits the worker fetched N/bs + 1 objects. The parent alternates engi
 so background load on a shared box hits both alike. Output: one JSON line per (model, backend,
 N), then a summary line with the ratios.
 
-    python benchmarks/bench_storage_hit.py            # "big" model (~90 M params), N = 1024, 4096, 5 reps
-    python benchmarks/bench_storage_hit.py --quick    # the tests' tiny model, 3 reps
+    python -m benchmarks.bench_storage_hit            # "big" model (~90 M params), N = 1024, 4096, 5 reps
+    python -m benchmarks.bench_storage_hit --quick    # the tests' tiny model, 3 reps
 """
 
 from __future__ import annotations
@@ -44,11 +44,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-TESTS = REPO / "tests"
-sys.path.insert(0, str(TESTS))
-sys.path.insert(0, str(HERE))
 
-from bench_cpu_tier import BENCH_MODELS, MAX_MODEL_LEN, ChildEngine, build_model  # noqa: E402
+from benchmarks.bench_cpu_tier import BENCH_MODELS, MAX_MODEL_LEN, ChildEngine, build_model  # noqa: E402
 
 CELLS = ("recompute", "cpu_hit", "storage_hit", "storage_hit_evicted")
 
@@ -70,7 +67,7 @@ def evict_page_cache(root: str) -> int:
 
 
 def serve_engine(args: dict[str, Any]) -> None:
-    from scenarios import close_llm, connectors, generate, make_llm, prompt
+    from tests.harness.scenarios import close_llm, connectors, generate, make_llm, prompt
 
     if args.get("switch_interval"):
         sys.setswitchinterval(args["switch_interval"])  # diagnostic: GIL hand-off latency
@@ -185,7 +182,7 @@ class Engine(ChildEngine):
     def __init__(self, name: str, args: dict[str, Any]) -> None:
         self.name = name
         log = BENCH_MODELS / f"engine-storage-{name}.log"
-        super().__init__(name, __file__, args, log)
+        super().__init__(name, "benchmarks.bench_storage_hit", args, log)
 
 
 # -- parent --------------------------------------------------------------------------------
@@ -312,7 +309,7 @@ def main() -> None:
     engines: dict[str, Engine] = {}
     try:
         if "redis" in backends:
-            from storage_fixtures import RedisServer
+            from tests.harness.redis_server import RedisServer
 
             (work / "redis").mkdir()
             redis = RedisServer(work / "redis")

@@ -12,10 +12,10 @@ the copy engine the connector uses (``HostCopyEngine`` thread on CPU, ``CudaCopy
 DMA on a GPU), timed from planning to completion. The reference is ``dst.copy_(src)`` of one contiguous tensor of the same number
 of bytes, in the same run. Output: one JSON line per (direction, batch size), then a summary.
 
-    python benchmarks/bench_transfer.py           # ~1-2 min
-    python benchmarks/bench_transfer.py --quick   # ~15 s
-    python benchmarks/bench_transfer.py --quick --ids consecutive
-    python benchmarks/bench_transfer.py --device cuda --quick   # on a GPU (benchmarks/gpu_check.sh)
+    python -m benchmarks.bench_transfer           # ~1-2 min
+    python -m benchmarks.bench_transfer --quick   # ~15 s
+    python -m benchmarks.bench_transfer --quick --ids consecutive
+    python -m benchmarks.bench_transfer --device cuda --quick   # on a GPU (benchmarks/gpu_check.sh)
 """
 
 from __future__ import annotations

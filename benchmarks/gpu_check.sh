@@ -25,13 +25,13 @@ PY
 SHIM=$(mktemp -d)
 mkdir -p "$SHIM/himamba"
 for pkg in connector mamba_state tiers; do ln -s "$PWD/$pkg" "$SHIM/himamba/$pkg"; done
-export PYTHONPATH="$SHIM:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 $PY -c "import pytest" 2>/dev/null || $PY -m pip install -q pytest >/dev/null 2>&1
 rc=0
-timeout 240 $PY -m pytest -q -p no:cacheprovider --noconftest -rs tests/test_transfer_cuda.py tests/test_transfer_engine.py tests/test_transfer.py \
+timeout 240 $PY -m pytest -q -p no:cacheprovider --noconftest -rs tests/unit/tiers/test_transfer_cuda.py tests/unit/tiers/test_transfer_engine.py tests/unit/tiers/test_transfer.py \
     2>&1 | tee "$OUTDIR/gpu_tests.txt" || rc=1
 for ids in random consecutive; do
-    timeout 150 $PY benchmarks/bench_transfer.py --device cuda --quick --ids "$ids" \
+    timeout 150 $PY -m benchmarks.bench_transfer --device cuda --quick --ids "$ids" \
         2>&1 | tee "$OUTDIR/bench_transfer_$ids.jsonl" || rc=1
 done
 echo "gpu_check: exit $rc" | tee -a "$OUTDIR/env.txt"

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import requests
-from multiturn_server import SERVED_NAME, PrefixCounters, Server
+
+from benchmarks.multiturn_server import SERVED_NAME, PrefixCounters, Server
 
 # Token ids drawn for prompts: clear of the tiny vocabulary's specials (pad, bos, eos, unk).
 TOKEN_LOW, TOKEN_HIGH = 3, 1000

@@ -27,7 +27,7 @@ CPU_ENGINE_ENV = {
 for _key, _value in CPU_ENGINE_ENV.items():
     os.environ.setdefault(_key, _value)
 
-from tiny_models import (  # noqa: E402
+from tests.harness.tiny_models import (  # noqa: E402
     DEFAULT_CACHE_DIR,
     build_granite_hybrid,
     build_granite_hybrid_wide_state,

@@ -1,4 +1,4 @@
-"""Run-time storage control on a real offline engine, in a fresh process (see tests/scenarios.py
+"""Run-time storage control on a real offline engine, in a fresh process (see tests/harness/scenarios.py
 for why one engine per process); prints one ``RESULT {json}`` line.
 
 Detach, re-attach and attach another store through vLLM's ``collective_rpc`` (a worker
@@ -6,7 +6,7 @@ extension). A switch is asynchronous: the call answers at once, each rank's new 
 at a step boundary once it is open, and the scheduler half follows once the rank's report
 reached it; ``status`` says where each half is.
 
-Usage: python tests/e2e/control_scenario.py '{"model": "...", "prompts": [...], ...}'
+Usage: python -m tests.e2e.control_scenario '{"model": "...", "prompts": [...], ...}'
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from scenarios import (  # noqa: E402
+from tests.harness.scenarios import (
     ENGINE,
     _worker_flush,
     close_llm,

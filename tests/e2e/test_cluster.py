@@ -4,7 +4,7 @@ cluster on loopback, tokens compared with an engine that has no connector.
 The cluster is reached through LMCache's `valkey` adapter in cluster mode (what a
 `redis+cluster://` URL maps to, `tiers/cluster_url.py`). This file is also the script of its
 own multi-process scenarios (`python test_cluster.py NAME JSON`), each engine in a fresh
-process like tests/scenarios.py's.
+process like tests/harness/scenarios.py's.
 """
 
 from __future__ import annotations
@@ -20,16 +20,14 @@ from typing import Any
 
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
-
-from scenarios import prompt  # noqa: E402
+from tests.harness.scenarios import prompt
+from tests.harness.subprocess_run import child_env, run_script
 
 pytestmark = [pytest.mark.e2e]
-pytest_plugins = ("harness.redis_cluster",)  # redis_cluster
+pytest_plugins = ("tests.harness.redis_cluster",)  # redis_cluster
 
 A_LEN, B_LEN = 1000, 700
+THIS = ["-m", "tests.e2e.test_cluster"]  # how a child runs one scenario of this file
 
 
 def _glide_installed() -> bool:
@@ -60,18 +58,7 @@ def cluster_extra(seeds_url: str, **storage: Any) -> dict[str, Any]:
 
 def run_here(name: str, args: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     """One scenario of this file in a fresh interpreter."""
-    proc = subprocess.run(
-        [sys.executable, __file__, name, json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
-    raise AssertionError(f"scenario {name} failed (rc={proc.returncode}):\n{tail}")
+    return run_script(THIS + [name, json.dumps(args)], child_env(), timeout, f"scenario {name}")
 
 
 # -- fixtures -------------------------------------------------------------------------------
@@ -112,7 +99,7 @@ def block(baseline_run: dict[str, Any]) -> int:
 def test_fresh_engine_hits_what_an_exited_engine_stored_in_the_cluster(
     granite_model, prompts, reference, block, redis_cluster
 ):
-    from engine import run_scenario
+    from tests.harness.subprocess_run import run_scenario
 
     args = {"model": str(granite_model), "prompts": prompts[:2]}
     args["extra"] = cluster_extra(redis_cluster.url)
@@ -142,11 +129,11 @@ def test_serving_replica_hits_a_prefix_another_live_replica_just_computed(
     # Replica B starts first and serves its own traffic; replica A computes the shared
     # prefix only once B is serving, and B asks for it right after A's write-through landed.
     b = subprocess.Popen(
-        [sys.executable, __file__, "fleet_replica", json.dumps({**common, "role": "b"})],
+        [sys.executable, *THIS, "fleet_replica", json.dumps({**common, "role": "b"})],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        env=child_env(),
     )
     try:
         a = run_here("fleet_replica", {**common, "role": "a"})
@@ -204,7 +191,7 @@ def test_one_dead_node_keeps_every_request_exact_and_its_keys_return_after_resta
 def test_tp2_fresh_process_hits_what_another_tp2_process_stored_in_the_cluster(
     granite_model, prompts, reference, block, redis_cluster
 ):
-    from engine import run_scenario
+    from tests.harness.subprocess_run import run_scenario
 
     args = {"model": str(granite_model), "prompts": prompts[:1], "tp": 2}
     args["extra"] = cluster_extra(redis_cluster.url)
@@ -223,7 +210,7 @@ def short_prompt_set(block: int) -> list[list[int]]:
 
 
 def baseline_two_phase(args: dict[str, Any]) -> dict[str, Any]:
-    from scenarios import ENGINE, close_llm, generate, make_llm
+    from tests.harness.scenarios import ENGINE, close_llm, generate, make_llm
 
     llm = make_llm(args, None)
     out: dict[str, Any] = {"single": [generate(llm, [p])[0] for p in args["prompts"]]}
@@ -236,7 +223,14 @@ def baseline_two_phase(args: dict[str, Any]) -> dict[str, Any]:
 def fleet_replica(args: dict[str, Any]) -> dict[str, Any]:
     """Replica `a` computes `shared` once `b` is serving; replica `b` serves `warmup`, then
     asks for `shared` as soon as `a` says it is written."""
-    from scenarios import _worker_flush, close_llm, connectors, generate, leak_report, make_llm
+    from tests.harness.scenarios import (
+        _worker_flush,
+        close_llm,
+        connectors,
+        generate,
+        leak_report,
+        make_llm,
+    )
 
     sync = Path(args["sync"])
     llm = make_llm(args, args["extra"])
@@ -271,8 +265,9 @@ def node_outage(args: dict[str, Any]) -> dict[str, Any]:
     """Short prompts stored over a 3-node cluster; node 1 is killed (its keys lost), the host
     tier dropped, the prompts served again; node 1 restarted (empty), the prompts served,
     written again, and served from storage once more."""
-    from harness.redis_cluster import RedisCluster
-    from scenarios import (
+    from himamba.tiers.cluster_url import cluster_adapter_spec
+    from tests.harness.redis_cluster import RedisCluster
+    from tests.harness.scenarios import (
         _worker_flush,
         close_llm,
         connectors,
@@ -281,8 +276,6 @@ def node_outage(args: dict[str, Any]) -> dict[str, Any]:
         leak_report,
         make_llm,
     )
-
-    from himamba.tiers.cluster_url import cluster_adapter_spec
 
     cluster = RedisCluster(Path(args["workdir"]) / "cluster")
     cluster.start()
@@ -329,7 +322,7 @@ def node_outage(args: dict[str, Any]) -> dict[str, Any]:
 SCENARIOS = {f.__name__: f for f in (baseline_two_phase, fleet_replica, node_outage)}
 
 if __name__ == "__main__":
-    from scenarios import ENGINE
+    from tests.harness.scenarios import ENGINE
 
     res = SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
     res.setdefault("block_size", ENGINE.get("block_size"))

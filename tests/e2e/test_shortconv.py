@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.harness.subprocess_run import child_env
+
 pytestmark = pytest.mark.e2e
 
 CHILD_TIMEOUT_S = 300
@@ -56,10 +58,15 @@ def _run_child(mode: str, model: Path, env: dict[str, str] | None = None) -> dic
     One child at a time: an engine's OpenMP threads spin, so children side by side on a small
     box are slower than in turn.
     """
-    full_env = {**os.environ, **(env or {})}
+    full_env = child_env(env)
     full_env.pop("VLLM_PLUGINS", None)  # unset = every general plugin, himamba's included
     proc = subprocess.run(
-        [sys.executable, __file__, json.dumps({"mode": mode, "model": str(model)})],
+        [
+            sys.executable,
+            "-m",
+            "tests.e2e.test_shortconv",
+            json.dumps({"mode": mode, "model": str(model)}),
+        ],
         env=full_env,
         capture_output=True,
         text=True,
@@ -74,7 +81,7 @@ def _run_child(mode: str, model: Path, env: dict[str, str] | None = None) -> dic
 
 @pytest.fixture(scope="module")
 def lfm2_model() -> Path:
-    from harness.lfm2 import build_lfm2
+    from tests.harness.lfm2 import build_lfm2
 
     return build_lfm2()
 

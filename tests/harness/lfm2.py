@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tiny_models import DEFAULT_CACHE_DIR, build_model
+from tests.harness.tiny_models import DEFAULT_CACHE_DIR, build_model
 
 VOCAB_SIZE = 1024
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2

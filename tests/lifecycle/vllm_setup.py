@@ -88,7 +88,8 @@ def write_model_dir(root: Path) -> Path:
     storage namespace is keyed by the weights' identity, so one small tensor file stands in."""
     import numpy as np
     from safetensors.numpy import save_file
-    from tiny_models import granite_hybrid_config
+
+    from tests.harness.tiny_models import granite_hybrid_config
 
     root.mkdir(parents=True, exist_ok=True)
     config = granite_hybrid_config("float32")

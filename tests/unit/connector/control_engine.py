@@ -12,10 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lifecycle.engine import LifecycleEngine
-from lifecycle.vllm_setup import EngineSpec, make_model_config, write_model_dir
-
 from himamba.connector.protocol import ControlAction
+from tests.lifecycle.engine import LifecycleEngine
+from tests.lifecycle.vllm_setup import EngineSpec, make_model_config, write_model_dir
 
 # 0.5 MiB CPU tier (as the lifecycle suite): 192 KV slots, 292 Mamba slots.
 CPU_CACHE_GB = 0.5 / 1024
@@ -121,3 +120,19 @@ def objects_in(folder: Path) -> int:
         for p in folder.rglob("*.data")
         if p.is_file() and p.name.split("@")[2:3] in (["0"], ["1"])
     )
+
+
+def switch_storage(engine: LifecycleEngine, action: ControlAction, storage: Any = None) -> None:
+    """What ``collective_rpc("himamba_control")`` does, then idle steps (1 ms apart, as an idle
+    engine waits) until every rank and the scheduler half use the new store."""
+    for runner in engine.runners:
+        runner.connector.control(action, storage)
+    want = "detached" if action is ControlAction.DETACH else "attached"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        engine.idle_steps(1)
+        statuses = [r.connector.control(ControlAction.STATUS) for r in engine.runners]
+        if all(s["storage"] == want and s["scheduler"] == want for s in statuses):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"storage never switched: {statuses}")

@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lifecycle.engine
 import pytest
-from control_engine import build_engine, model_config_in, serve
-from lifecycle.workload import prompt_of
 from vllm.config import ParallelConfig
 
 from himamba.connector.storage_setup import acking_workers
+from tests.lifecycle import engine as lifecycle_engine
+from tests.lifecycle.workload import prompt_of
+from tests.unit.connector.control_engine import build_engine, model_config_in, serve
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_a_storage_hit_completes_under_external_launcher_with_data_parallelism(
     finally:
         writer.close()
 
-    real = lifecycle.engine.make_vllm_config
+    real = lifecycle_engine.make_vllm_config
     launched = external_launcher(monkeypatch, tp=1, dp=2)
 
     def with_external_launcher(spec: Any, mc: Any) -> Any:
@@ -64,7 +64,7 @@ def test_a_storage_hit_completes_under_external_launcher_with_data_parallelism(
         config.parallel_config = launched
         return config
 
-    monkeypatch.setattr(lifecycle.engine, "make_vllm_config", with_external_launcher)
+    monkeypatch.setattr(lifecycle_engine, "make_vllm_config", with_external_launcher)
     reader = build_engine(model_config, section)
     try:
         serve(reader, "b", prompt)

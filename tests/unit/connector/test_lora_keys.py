@@ -14,14 +14,13 @@ import torch
 pytest.importorskip("lmcache")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from test_storage_tier import make_store  # noqa: E402
-from unit.tiers.pool_helpers import read_slot, write_slot  # noqa: E402
-
 from himamba.connector.protocol import FetchItem, FetchOrder, ObjectKind  # noqa: E402
 from himamba.connector.scheduler.lora_identity import LoraTags  # noqa: E402
 from himamba.connector.worker.worker_storage import WorkerStorage  # noqa: E402
 from himamba.tiers.cpu_pool import HostSlotPool  # noqa: E402
 from himamba.tiers.object_format import HEADER_SIZE  # noqa: E402
+from tests.harness.stores import make_store  # noqa: E402
+from tests.unit.tiers.pool_helpers import read_slot, write_slot  # noqa: E402
 
 
 def adapter(root: Path, seed: int, rank: int = 4) -> Path:

@@ -13,11 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from control_engine import control, engine_of, model_config_in, serve, step_until, switched
-from lifecycle.workload import prompt_of
 
 from himamba.connector.protocol import ControlAction
 from himamba.tiers.storage_config import StorageConfig, redacted_url
+from tests.lifecycle.workload import prompt_of
+from tests.unit.connector.control_engine import (
+    control,
+    engine_of,
+    model_config_in,
+    serve,
+    step_until,
+    switched,
+)
 
 PASSWORD = "s3cret-Pw9"
 ENV = "HIMAMBA_TEST_REDIS_PASSWORD"

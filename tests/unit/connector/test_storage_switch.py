@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from control_engine import (
+from vllm.v1.outputs import KVConnectorOutput
+
+import himamba.connector.weights_identity as weights_identity_module
+import himamba.connector.worker.worker_storage as worker_storage_module
+from himamba.connector.protocol import ControlAction, ControlRequest, HiMambaWorkerMeta
+from himamba.tiers.lmcache_store import LMCacheStore
+from tests.lifecycle.workload import prompt_of
+from tests.unit.connector.control_engine import (
     Gate,
     control,
     engine_of,
@@ -25,13 +32,6 @@ from control_engine import (
     switched,
     within,
 )
-from lifecycle.workload import prompt_of
-from vllm.v1.outputs import KVConnectorOutput
-
-import himamba.connector.weights_identity as weights_identity_module
-import himamba.connector.worker.worker_storage as worker_storage_module
-from himamba.connector.protocol import ControlAction, ControlRequest, HiMambaWorkerMeta
-from himamba.tiers.lmcache_store import LMCacheStore
 
 # A call on the engine loop "returned at once" if it took less than this (the gate holds the
 # slow part for a minute).

@@ -39,7 +39,7 @@ def test_lmcache_store_has_every_byte_store_member_with_the_same_parameters():
 
 def test_an_open_store_passes_the_runtime_protocol_check(tmp_path: Path):
     pytest.importorskip("lmcache")
-    from test_storage_tier import make_store
+    from tests.harness.stores import make_store
 
     store: ByteStore = make_store(str(tmp_path), probe_interval_s=3600)
     try:

@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("lmcache")
-pytest_plugins = ("storage_fixtures",)  # storage_dir
-
-from test_storage_tier import KV, eventually, h, make_store, ns, payload, run  # noqa: E402
+pytest_plugins = ("tests.harness.redis_server",)  # storage_dir
 
 from himamba.tiers import get_path, lmcache_store  # noqa: E402
 from himamba.tiers.adapter_health import create_lmcache_adapter  # noqa: E402
@@ -26,6 +24,7 @@ from himamba.tiers.object_format import HEADER_SIZE, StorageKey  # noqa: E402
 from himamba.tiers.staging import ObjectView  # noqa: E402
 from himamba.tiers.storage_config import StorageConfig  # noqa: E402
 from himamba.tiers.storage_records import TaskError  # noqa: E402
+from tests.harness.stores import KV, eventually, h, make_store, ns, payload, run  # noqa: E402
 
 
 def slow_reading_adapter(spec: dict[str, Any], delay_s: float) -> Any:
@@ -149,7 +148,7 @@ def test_a_validation_finishing_while_the_store_closes_still_completes_its_get(
 def test_every_held_task_is_released_exactly_once_across_polls(storage_dir: Path):
     """Releases land at any moment relative to the caller's poll / take_released rounds (here
     mostly between a poll and the next take_released); none is lost or repeated."""
-    from test_storage_in_place import store_reading_late
+    from tests.harness.stores import store_reading_late
 
     s = store_reading_late(storage_dir, 0.6)
     try:

@@ -3,10 +3,8 @@ freed or quarantined, by any path of the tree, is journaled once, and ``take_fre
 
 from __future__ import annotations
 
-from test_radix_tree import chain, store
-from unit.tree.tree_helpers import evict_device
-
 from himamba.connector.tree import HybridRadixTree, check_invariants
+from tests.unit.tree.tree_helpers import chain, evict_device, store
 
 
 def _journaled_tree(kv: int = 8, mamba: int = 4) -> HybridRadixTree:

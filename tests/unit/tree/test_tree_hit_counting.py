@@ -4,10 +4,8 @@ only that one may move the path toward selective write-through's threshold."""
 
 from __future__ import annotations
 
-from test_radix_tree import chain, store
-from unit.tree.tree_helpers import hit_count
-
 from himamba.connector.tree import HybridRadixTree, check_invariants
+from tests.unit.tree.tree_helpers import chain, hit_count, store
 
 
 def test_relocking_the_same_request_does_not_count_as_another_hit() -> None:

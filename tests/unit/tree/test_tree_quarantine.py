@@ -4,11 +4,9 @@ It is quarantined until ``seal_plan``; slots freed without a write-back are reus
 
 from __future__ import annotations
 
-from test_radix_tree import chain, store
-from unit.tree.tree_helpers import evict_device
-
 from himamba.connector.tree import HybridRadixTree, check_invariants
 from himamba.connector.tree.host_eviction import MAX_VICTIMS_PER_ALLOC
+from tests.unit.tree.tree_helpers import chain, evict_device, store
 
 
 def _host_only(tree: HybridRadixTree, hashes: list[bytes]) -> None:

@@ -4,10 +4,8 @@ blocks are victims, and with none left the run stops."""
 
 from __future__ import annotations
 
-from test_radix_tree import chain, store
-from unit.tree.tree_helpers import evict_device, host_blocks
-
 from himamba.connector.tree import HybridRadixTree, check_invariants
+from tests.unit.tree.tree_helpers import chain, evict_device, host_blocks, store
 
 
 def test_a_long_request_keeps_its_stored_blocks_while_older_paths_make_room() -> None:

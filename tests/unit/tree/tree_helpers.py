@@ -2,15 +2,16 @@
 
 vLLM tells a connector nothing when it drops GPU blocks, so the connector never clears GPU
 marks; tests do, to make the host copy a block's only tier. Hit counts are read by the tree's
-own ``hot_objects``; tests read them directly. Import as ``unit.tree.tree_helpers`` (the
-``tests`` folder is on ``sys.path``; this folder has no ``__init__.py``).
+own ``hot_objects``; tests read them directly. ``chain`` and ``store`` build the hashes and
+the write-through every tree test starts from.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable, Sequence
 
-from himamba.connector.tree import GPU, HOST, HybridRadixTree
+from himamba.connector.tree import GPU, HOST, HybridRadixTree, check_invariants
 from himamba.connector.tree.tier_marks import clear_path
 
 
@@ -42,3 +43,22 @@ def host_blocks(tree: HybridRadixTree, hashes: Sequence[bytes], partition: Hasha
         if found is not None and found[0].flags[found[1]] & HOST:
             out.append(i)
     return out
+
+
+def chain(tokens: str | int, salt: str = "") -> list[bytes]:
+    """vLLM-style chained block hashes, one per token; an int makes that many blocks."""
+    items = [str(i) for i in range(tokens)] if isinstance(tokens, int) else list(tokens)
+    out, prev = [], salt.encode()
+    for t in items:
+        prev = hashlib.sha256(prev + t.encode()).digest()
+        out.append(prev)
+    return out
+
+
+def store(tree: HybridRadixTree, hashes: list[bytes], part=None, states=(), ok=True) -> None:
+    """Write-through of a request: every block plus Mamba states at ``states`` boundaries,
+    then the invariants."""
+    kv = [tree.reserve_kv(hashes, part, i) for i in range(len(hashes))]
+    mb = [tree.reserve_mamba(hashes, part, n) for n in states]
+    tree.complete_store([s for s in kv if s is not None], [s for s in mb if s is not None], ok)
+    check_invariants(tree)

@@ -1,0 +1,171 @@
+"""Conversations and shared documents on a real vLLM CPU engine (float32: token-exact).
+
+With vLLM's default settings a conversation's next turn must hit through the previous turn's
+output (from the CPU tier, and from storage in a fresh process); a prompt that shares only the
+first part of an earlier one must hit at the last checkpoint before they diverge; a long
+generation must not flood the Mamba pool; and each storage write policy must write what it
+promises and give the restart hits it promises.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness.scenarios import prompt
+from tests.harness.subprocess_run import run_scenario
+
+pytestmark = pytest.mark.e2e
+
+LONG = 4096  # max_model_len of the long-context scenarios (the tiny model's maximum)
+TURNS = [
+    {"new": prompt(61, 1000), "max_tokens": 300},
+    {"new": prompt(62, 200), "max_tokens": 300},
+    {"new": prompt(63, 200), "max_tokens": 16},
+]
+
+
+def boundary(tokens: int, block_size: int) -> int:
+    return tokens // block_size * block_size
+
+
+def expected_hits(turns: list[dict[str, Any]], block_size: int) -> list[int]:
+    """Turn t+1 can hit at the last block boundary vLLM computed in turn t (its prompt plus all
+    but the last generated token), never past its own last prompt token."""
+    hits = [0]
+    for prev, cur in zip(turns, turns[1:], strict=False):
+        computed = prev["prompt_len"] + len(prev["tokens"]) - 1
+        hits.append(boundary(min(computed, cur["prompt_len"] - 1), block_size))
+    return hits
+
+
+@pytest.fixture(scope="module")
+def reference(granite_model: Path) -> dict[str, Any]:
+    args = {"model": str(granite_model), "turns": TURNS, "max_model_len": LONG}
+    return run_scenario("conversation", args)
+
+
+def test_next_turns_hit_through_previous_output_from_the_cpu_tier_by_default(
+    granite_model, reference
+):
+    got = run_scenario(
+        "conversation",
+        {
+            "model": str(granite_model),
+            "turns": TURNS,
+            "max_model_len": LONG,
+            "extra": {"cpu_cache_gb": 0.1},
+        },
+    )
+    bs = got["block_size"]
+    turns = got["turns"]
+    assert [t["tokens"] for t in turns] == [t["tokens"] for t in reference["turns"]]
+    assert [t["cached"] for t in turns] == expected_hits(turns, bs)
+    # Deeper than vLLM's default alone could give: the previous prompt's end.
+    for prev, cur in zip(turns, turns[1:], strict=False):
+        assert cur["cached"] > boundary(prev["prompt_len"] - 1, bs)
+    assert got["leaks"]["locked_entries"] == 0 and got["leaks"]["tracked_requests"] == 0
+
+
+def test_next_turns_hit_through_previous_output_from_storage_in_a_fresh_process(
+    granite_model, reference, tmp_path
+):
+    args = {
+        "model": str(granite_model),
+        "turns": TURNS,
+        "max_model_len": LONG,
+        "extra": {"cpu_cache_gb": 0.1, "storage": {"url": f"file://{tmp_path}"}},
+    }
+    # Process 1 serves turn 1 only: its prompt and its answer are written through to storage.
+    run_scenario("conversation", {**args, "turns": TURNS[:1]})
+    # Process 2 starts empty and is asked turn 2 directly: its hit reaches into turn 1's
+    # answer, which only process 1 computed, so every hit token came from storage.
+    ref = reference["turns"]
+    turn2 = TURNS[0]["new"] + ref[0]["tokens"] + TURNS[1]["new"]
+    read = run_scenario(
+        "conversation", {**args, "turns": [{"new": turn2, "max_tokens": TURNS[1]["max_tokens"]}]}
+    )
+    bs = read["block_size"]
+    assert read["turns"][0]["tokens"] == ref[1]["tokens"]
+    assert read["turns"][0]["cached"] == expected_hits(ref, bs)[1]
+    assert read["turns"][0]["cached"] > boundary(ref[0]["prompt_len"] - 1, bs)
+    assert read["stats"]["storage_fetches"] == 1
+    assert read["leaks"]["storage_fetches_open"] == 0
+
+
+def test_prompt_sharing_the_first_3000_of_4000_tokens_hits_at_a_checkpoint(granite_model):
+    a = prompt(71, 4000)
+    b = a[:3000] + prompt(72, 1000)
+    # On CPU, Mamba states exist only at prefill-chunk ends: 512-token chunks put one at every
+    # checkpoint (on GPUs vLLM checkpoints inside a chunk).
+    common = {"model": str(granite_model), "max_model_len": LONG, "max_num_batched_tokens": 512}
+    ref = run_scenario("baseline", {**common, "prompts": [b]})
+    got = run_scenario(
+        "cpu_tier", {**common, "prompts": [a], "after": [b], "extra": {"cpu_cache_gb": 0.2}}
+    )
+    assert got["after"][0]["cached"] >= 2048
+    assert got["after"][0]["tokens"] == ref["single"][0]["tokens"]
+    assert got["leaks"]["locked_entries"] == 0
+
+
+def test_a_4k_token_generation_leaves_a_handful_of_states_not_one_per_block(granite_model):
+    got = run_scenario(
+        "host_states",
+        {
+            "model": str(granite_model),
+            "prompts": [prompt(81, 96)],
+            "max_tokens": 3990,
+            "max_model_len": LONG,
+            "extra": {"cpu_cache_gb": 0.2},
+        },
+    )
+    stats, bs = got["stats"], got["block_size"]
+    total = 96 + 3990
+    boundaries = (total - 1) // bs  # block boundaries the request crossed
+    # Prompt end, the checkpoints every 1,024 tokens and the latest decode state.
+    assert stats["host_mamba_used"] <= 2 + total // 1024
+    assert stats["mamba_states_replaced"] >= boundaries - 2 - total // 1024 - 1
+    assert stats["host_mamba_used"] < boundaries / 4
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_storage_write_policies_write_what_they_promise(granite_model, tmp_path, policy):
+    popular, once = prompt(91, 1000), prompt(92, 1000)
+    storage = {"url": f"file://{tmp_path}", "write_policy": policy}
+    # write_back: a CPU tier too small for both prompts, so evictions write back during the run.
+    cpu = 0.003 if policy == "write_back" else 0.05
+    wrote = run_scenario(
+        "write_policy",
+        {
+            "model": str(granite_model),
+            "prompts": [popular, once],
+            "repeats": 3,
+            "extra": {"cpu_cache_gb": cpu, "storage": storage},
+        },
+    )
+    puts = wrote["puts"]  # after: popular x3 (cold, CPU hit, CPU hit), then `once`
+    if policy == "write_through":
+        assert puts[0] > 0  # every store, at once
+    elif policy == "write_through_selective":
+        assert puts[0] == puts[1] == 0  # cold, then its first hit: not popular yet
+        assert puts[2] > 0  # the second hit makes it popular
+        assert puts[3] == puts[2]  # `once` never gets there
+    else:
+        assert puts[0] == 0  # nothing until the CPU tier evicts
+        assert puts[3] > 0
+    read = run_scenario(
+        "storage_reader",
+        {
+            "model": str(granite_model),
+            "prompts": [popular, once],
+            "extra": {"cpu_cache_gb": 0.05, "storage": storage},
+        },
+    )
+    hit = boundary(999, read["block_size"])
+    assert read["outs"][0]["tokens"] == wrote["outs"][0]["tokens"]
+    assert read["outs"][1]["tokens"] == wrote["outs"][3]["tokens"]
+    # Restart hits wherever the policy promises one (write_back: flushed at clean shutdown).
+    want_once = 0 if policy == "write_through_selective" else hit
+    assert [o["cached"] for o in read["outs"]] == [hit, want_once]

@@ -1,0 +1,497 @@
+"""Engine scenarios run in a fresh process each, printing one ``RESULT {json}`` line.
+
+Why subprocesses: vLLM keeps the worker-side KV connector in a process-global
+slot, so a second engine in one process would silently reuse the first one's
+connector (bound to freed caches). One scenario = one process = clean state.
+
+Usage: python -m tests.harness.scenarios NAME '{"model": "...", ...}' (from the repository root)
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+for _k, _v in {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_CI_ENV": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_k, _v)
+
+CONNECTOR = "HiMambaConnector"
+MODULE = "himamba.connector"
+# The scheduler block size of the last engine built: vLLM derives it at start-up from page sizes
+# (it differs between machines and package versions), so every RESULT carries it for the tests.
+ENGINE: dict[str, int] = {}
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(3, 1000) for _ in range(n)]
+
+
+def make_llm(args: dict[str, Any], extra: dict[str, Any] | None) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = dict(
+        model=args["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype=args.get("dtype", "float32"),
+        max_model_len=args.get("max_model_len", 2048),
+        max_num_seqs=args.get("max_num_seqs", 8),
+        enable_prefix_caching=True,
+        seed=0,
+    )
+    if args.get("worker_extension"):
+        kw["worker_extension_cls"] = "himamba.connector.control.HiMambaWorkerExtension"
+    if args.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = args["max_num_batched_tokens"]
+    if args.get("tp", 1) > 1:
+        # Workers in spawned processes; the engine core stays in this process.
+        kw["tensor_parallel_size"] = args["tp"]
+        kw["distributed_executor_backend"] = "mp"
+    if extra is not None:
+        policy = {"kv_load_failure_policy": args["policy"]} if "policy" in args else {}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=CONNECTOR,
+            kv_connector_module_path=MODULE,
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            **policy,
+        )
+    llm = LLM(**kw)
+    ENGINE["block_size"] = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    return llm
+
+
+def close_llm(llm: Any) -> None:
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the process exits next anyway
+        pass
+    del llm
+    ensure_kv_transfer_shutdown()
+    gc.collect()
+
+
+def generate(
+    llm: Any, prompts: list[list[int]], max_tokens: int | list[int] = 16
+) -> list[dict[str, Any]]:
+    """Greedy generation; ``max_tokens`` for all prompts or one per prompt."""
+    from vllm import SamplingParams
+
+    per = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    sp = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in per
+    ]
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return [
+        {
+            "tokens": list(o.outputs[0].token_ids),
+            "cached": o.num_cached_tokens,
+            "finish": o.outputs[0].finish_reason,
+            "s": elapsed,
+        }
+        for o in outs
+    ]
+
+
+def connectors(llm: Any) -> tuple[Any, Any]:
+    """(scheduler-role, worker-role) connector objects of an in-process engine; the worker is
+    None when workers run in their own processes (TP)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.connector, get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def drop_host_tier(llm: Any) -> None:
+    """GPU cache and CPU tier emptied, storage kept: the next hit can only come from storage."""
+    llm.reset_prefix_cache()
+    connectors(llm)[0].drop_host_tier()
+
+
+def leak_report(llm: Any) -> dict[str, Any]:
+    sched, _ = connectors(llm)
+    return sched.leak_report()
+
+
+# -- scenarios -------------------------------------------------------------------------
+def baseline(args: dict[str, Any]) -> dict[str, Any]:
+    """Tokens from an engine with no connector at all."""
+    llm = make_llm(args, None)
+    out = [generate(llm, [p])[0] for p in args["prompts"]]
+    batch = generate(llm, args["batch"]) if args.get("batch") else []
+    close_llm(llm)
+    return {"single": out, "batch": batch}
+
+
+def cpu_tier(args: dict[str, Any]) -> dict[str, Any]:
+    """Each prompt: cold, GPU hit, then reset of the GPU cache and a CPU-tier hit."""
+    llm = make_llm(args, args["extra"])
+    rounds = []
+    for p in args["prompts"]:
+        cold = generate(llm, [p])[0]
+        gpu = generate(llm, [p])[0]
+        llm.reset_prefix_cache()
+        cpu = generate(llm, [p])[0]
+        llm.reset_prefix_cache()
+        rounds.append({"cold": cold, "gpu": gpu, "cpu": cpu})
+    later = [generate(llm, [p])[0] for p in args.get("after", [])]
+    sched, _ = connectors(llm)
+    result = {"rounds": rounds, "after": later, "stats": sched.stats(), "leaks": leak_report(llm)}
+    close_llm(llm)
+    return result
+
+
+def batch_pressure(args: dict[str, Any]) -> dict[str, Any]:
+    """A batch twice, the GPU cache reset in between, with a CPU tier too small for all."""
+    llm = make_llm(args, args["extra"])
+    first = generate(llm, args["batch"])
+    llm.reset_prefix_cache()
+    second = generate(llm, args["batch"])
+    llm.reset_prefix_cache()
+    third = generate(llm, args["batch"])
+    sched, _ = connectors(llm)
+    result = {
+        "first": first,
+        "second": second,
+        "third": third,
+        "stats": sched.stats(),
+        "leaks": leak_report(llm),
+    }
+    close_llm(llm)
+    return result
+
+
+def load_failure(args: dict[str, Any]) -> dict[str, Any]:
+    """Every host -> device copy fails on the copy engine's thread (a fault a real copy cannot
+    be made to produce)."""
+    from himamba.tiers.transfer import CopyPlan
+
+    real = CopyPlan.run_host
+
+    def broken(plan: CopyPlan) -> None:
+        if not plan.to_host and plan.nbytes:
+            raise RuntimeError("injected load failure")
+        real(plan)
+
+    CopyPlan.run_host = broken  # type: ignore[method-assign]
+    llm = make_llm(args, args["extra"])
+    p = args["prompts"][0]
+    cold = generate(llm, [p])[0]
+    llm.reset_prefix_cache()
+    try:
+        retry: dict[str, Any] = generate(llm, [p])[0]
+    except Exception as exc:  # noqa: BLE001 - policy "fail" may surface as an error
+        retry = {"error": repr(exc)}
+    sched, _ = connectors(llm)
+    core = llm.llm_engine.engine_core.engine_core
+    result = {
+        "cold": cold,
+        "retry": retry,
+        "policy": core.scheduler.vllm_config.kv_transfer_config.kv_load_failure_policy,
+        "stats": sched.stats(),
+        "leaks": leak_report(llm),
+    }
+    close_llm(llm)
+    return result
+
+
+def _worker_flush(timeout_s: float = 10.0) -> dict[str, Any]:
+    """Let write-through land and return the worker's counters (storage included); empty when
+    the workers run in other processes (TP), whose stores flush when the engine closes."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    if not has_kv_transfer_group():
+        return {}
+    worker = get_kv_transfer_group()
+    if worker.worker is not None and worker.worker.storage is not None:
+        worker.worker.flush_storage(timeout_s)
+    return worker.stats()
+
+
+def storage_writer(args: dict[str, Any]) -> dict[str, Any]:
+    """Compute prompts with write-through to storage, then exit (as a server would)."""
+    llm = make_llm(args, args["extra"])
+    outs = [generate(llm, [p])[0] for p in args["prompts"]]
+    worker = _worker_flush()
+    close_llm(llm)
+    return {"outs": outs, "worker": worker}
+
+
+def storage_reader(args: dict[str, Any]) -> dict[str, Any]:
+    """A fresh process sharing only the storage: serve the prompts again."""
+    llm = make_llm(args, args["extra"])
+    outs = [generate(llm, [p])[0] for p in args["prompts"]]
+    sched, _ = connectors(llm)
+    result = {
+        "outs": outs,
+        "stats": sched.stats(),
+        "worker": _worker_flush(),
+        "leaks": leak_report(llm),
+    }
+    close_llm(llm)
+    return result
+
+
+def storage_outage(args: dict[str, Any]) -> dict[str, Any]:
+    """Redis is killed mid-run and restarted (empty); requests must stay correct throughout."""
+    from tests.harness.redis_server import RedisServer
+
+    redis = RedisServer(__import__("pathlib").Path(args["workdir"]))
+    redis.start()
+    extra = {**args["extra"], "storage": {**args["extra"]["storage"], "url": redis.url}}
+    llm = make_llm(args, extra)
+    a, b, c = args["prompts"]
+    out: dict[str, Any] = {"before": generate(llm, [a])[0]}
+    _worker_flush()
+    redis.kill()
+    # The CPU tier is dropped too, so storage is the only place A could come from.
+    drop_host_tier(llm)
+    out["down"] = [generate(llm, [p])[0] for p in (a, b)]
+    redis.start()
+    time.sleep(args.get("recover_s", 6.0))  # breaker cool-down + health probe
+    out["after_restart_cold"] = generate(llm, [c])[0]
+    _worker_flush()
+    drop_host_tier(llm)
+    out["after_restart_hit"] = generate(llm, [c])[0]
+    sched, _ = connectors(llm)
+    out["stats"] = sched.stats()
+    out["worker"] = _worker_flush()
+    out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    redis.kill()
+    return out
+
+
+def storage_reset(args: dict[str, Any]) -> dict[str, Any]:
+    """A weight update's reset: what was stored before must not be served after it."""
+    llm = make_llm(args, args["extra"])
+    a = args["prompts"][0]
+    out: dict[str, Any] = {"cold": generate(llm, [a])[0]}
+    _worker_flush()
+    llm.reset_prefix_cache(reset_connector=True)  # host tier and storage epoch
+    out["after_reset"] = generate(llm, [a])[0]
+    _worker_flush()
+    llm.reset_prefix_cache()  # GPU only: the post-reset copy must still be served
+    out["again"] = generate(llm, [a])[0]
+    sched, _ = connectors(llm)
+    out["stats"] = sched.stats()
+    out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    return out
+
+
+def storage_steps(args: dict[str, Any]) -> dict[str, Any]:
+    """Engine steps a cold request takes (storage configured or not), then a storage hit."""
+    llm = make_llm(args, args["extra"])
+    a, b = args["prompts"]
+    sched, _ = connectors(llm)
+    before = sched.stats().get("steps", 0)
+    cold = generate(llm, [a])[0]
+    steps = sched.stats()["steps"] - before
+    out = {"cold": cold, "cold_steps": steps, "second": generate(llm, [b])[0]}
+    out["stats"] = sched.stats()
+    out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    return out
+
+
+def best_effort(args: dict[str, Any]) -> dict[str, Any]:
+    """best_effort never waits for storage, yet its fetch runs in the background: a request
+    queued behind another (one sequence at a time) finds its prefix in the host tier when it
+    is finally scheduled."""
+    llm = make_llm({**args, "max_num_seqs": 1}, args["extra"])
+    a, b = args["prompts"][:2]
+    out: dict[str, Any] = {"alone": generate(llm, [a])[0]}  # nothing queued ahead: no wait
+    # b arrives while a long decode holds the only sequence slot: its probe and fetch run
+    # meanwhile, from on_new_request, with no lookup of b in between.
+    _, out["queued"] = generate(llm, [prompt(99, 16), b], [args["blocker_tokens"], 16])
+    sched, _ = connectors(llm)
+    out["stats"] = sched.stats()
+    out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    return out
+
+
+def slow_storage(args: dict[str, Any]) -> dict[str, Any]:
+    """Storage that answers, but slowly: waits time out, the breaker opens, requests stop
+    waiting. The delay is injected around the real fs adapter (no real disk is this slow)."""
+    from himamba.tiers import lmcache_store
+
+    real = lmcache_store.create_lmcache_adapter
+
+    def slow_adapter(spec: dict[str, Any]) -> Any:
+        adapter = real(spec)
+        for name in ("submit_lookup_and_lock_task", "submit_load_task", "submit_store_task"):
+            submit = getattr(adapter, name)
+
+            def delayed(*a: Any, _submit: Any = submit, **kw: Any) -> Any:
+                time.sleep(args["delay_s"])
+                return _submit(*a, **kw)
+
+            setattr(adapter, name, delayed)
+        return adapter
+
+    lmcache_store.create_lmcache_adapter = slow_adapter
+    llm = make_llm(args, args["extra"])
+    outs = [generate(llm, [p])[0] for p in args["prompts"]]
+    sched, _ = connectors(llm)
+    out = {"outs": outs, "stats": sched.stats(), "leaks": leak_report(llm)}
+    out["breaker"] = str(sched.scheduler.storage.store.breaker_state)
+    close_llm(llm)
+    return out
+
+
+def conversation(args: dict[str, Any]) -> dict[str, Any]:
+    """A multi-turn chat in token ids: turn t's prompt = turn t-1's prompt + its output + new
+    tokens. Before each turn the GPU cache is reset (and, with ``storage_only``, the CPU tier
+    too), so every hit past vLLM's own cache comes from the connector's tiers."""
+    extra = args.get("extra")
+    llm = make_llm(args, extra)
+    history: list[int] = []
+    turns = []
+    for t in args["turns"]:
+        p = history + t["new"]
+        if args.get("storage_only"):
+            drop_host_tier(llm)
+        else:
+            llm.reset_prefix_cache()
+        r = generate(llm, [p], t["max_tokens"])[0]
+        turns.append({**r, "prompt_len": len(p)})
+        history = p + r["tokens"]
+    out: dict[str, Any] = {"turns": turns}
+    if extra is not None:
+        out["worker"] = _worker_flush()
+        sched, _ = connectors(llm)
+        out["stats"] = sched.stats()
+        out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    return out
+
+
+def host_states(args: dict[str, Any]) -> dict[str, Any]:
+    """One request; then the CPU tier's Mamba pool: how many states it left behind."""
+    llm = make_llm(args, args["extra"])
+    outs = [generate(llm, [p], args.get("max_tokens", 16))[0] for p in args["prompts"]]
+    sched, _ = connectors(llm)
+    out = {"outs": outs, "stats": sched.stats(), "leaks": leak_report(llm)}
+    close_llm(llm)
+    return out
+
+
+def write_policy(args: dict[str, Any]) -> dict[str, Any]:
+    """A popular prompt served ``repeats`` times (CPU-tier hits after GPU resets), then others
+    once each; storage puts after every request. The process then exits cleanly (shutdown
+    flush under write_back)."""
+    llm = make_llm(args, args["extra"])
+    popular, others = args["prompts"][0], args["prompts"][1:]
+    outs, puts = [], []
+    for p in [popular] * args["repeats"] + others:
+        llm.reset_prefix_cache()
+        outs.append(generate(llm, [p])[0])
+        puts.append(_worker_flush()["storage_puts_ok"])
+    sched, _ = connectors(llm)
+    out = {"outs": outs, "puts": puts, "stats": sched.stats(), "leaks": leak_report(llm)}
+    close_llm(llm)
+    return out
+
+
+def storage_control(args: dict[str, Any]) -> dict[str, Any]:
+    """Detach and re-attach storage at run time through vLLM's collective_rpc (a worker
+    extension), then attach another store; objects on disk show where writes went."""
+    from pathlib import Path
+
+    llm = make_llm({**args, "worker_extension": True}, args["extra"])
+    a, b, c = args["prompts"]
+    first, second = Path(args["dirs"][0]), Path(args["dirs"][1])
+
+    def objects(d: Path) -> int:
+        _worker_flush()
+        return sum(1 for p in d.rglob("*.data") if p.is_file())
+
+    def control(*call: Any) -> list[dict[str, Any]]:
+        return llm.collective_rpc("himamba_control", args=call)
+
+    out: dict[str, Any] = {"a": generate(llm, [a])[0], "objects_a": objects(first)}
+    out["detach"] = control("detach_storage")
+    out["b"] = generate(llm, [b])[0]  # the scheduler learns of the detach in this step
+    out["objects_b"] = objects(first)
+    drop_host_tier(llm)
+    out["a_detached"] = generate(llm, [a])[0]
+    out["attach"] = control("attach_storage")
+    out["c"] = generate(llm, [c])[0]
+    out["objects_c"] = objects(first)
+    drop_host_tier(llm)
+    out["a_attached"] = generate(llm, [a])[0]
+    out["attach_other"] = control("attach_storage", {"url": f"file://{second}"})
+    out["b_other"] = generate(llm, [b])[0]
+    out["objects_other"] = objects(second)
+    out["status"] = control("status")
+    out["leaks"] = leak_report(llm)
+    close_llm(llm)
+    return out
+
+
+def repeat(args: dict[str, Any]) -> dict[str, Any]:
+    """A prompt cold, again (vLLM's own cache), again after a GPU reset (the connector): no
+    access to the connector objects, so it also runs with a multi-process engine."""
+    llm = make_llm(args, args.get("extra"))
+    a = args["prompts"][0]
+    out = {"cold": generate(llm, [a])[0], "gpu": generate(llm, [a])[0]}
+    llm.reset_prefix_cache()
+    out["reset"] = generate(llm, [a])[0]
+    close_llm(llm)
+    return out
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        baseline,
+        cpu_tier,
+        batch_pressure,
+        load_failure,
+        storage_writer,
+        storage_reader,
+        storage_outage,
+        storage_reset,
+        storage_steps,
+        best_effort,
+        slow_storage,
+        conversation,
+        host_states,
+        write_policy,
+        storage_control,
+        repeat,
+    )
+}
+
+if __name__ == "__main__":
+    name, raw = sys.argv[1], sys.argv[2]
+    res = SCENARIOS[name](json.loads(raw))
+    res.setdefault("block_size", ENGINE.get("block_size"))
+    print("RESULT " + json.dumps(res), flush=True)
