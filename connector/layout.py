@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from himamba.tiers.cpu_pool import split_slots
+
+if TYPE_CHECKING:
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 class UnsupportedLayout(RuntimeError):
@@ -58,7 +62,7 @@ class HybridLayout:
         return split_slots(int(kv_slots)), split_slots(int(mamba_slots))
 
 
-def _refuse_unsupported_parallelism(par: Any) -> None:
+def _refuse_unsupported_parallelism(par: ParallelConfig) -> None:
     """Pipeline and context parallelism change what one block id means on one worker.
 
     With PP each stage owns other layers, so slot sizes differ per stage while the scheduler sizes
@@ -78,7 +82,7 @@ def _refuse_unsupported_parallelism(par: Any) -> None:
             )
 
 
-def build_layout(vllm_config: Any, kv_cache_config: Any) -> HybridLayout:
+def build_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> HybridLayout:
     """Classify KV groups and check the model is one we can cache exactly.
 
     Raises UnsupportedLayout with the reason: the connector then stays inert

@@ -350,7 +350,8 @@ class HiMambaWorkerEvents(KVConnectorKVEvents):  # type: ignore[misc,valid-type]
         self.outcomes: list[StorageOutcome] = list(outcomes or ())
         self.workers = 1
 
-    def add_events(self, events: list[Any]) -> None:
+    # vLLM only concatenates these across workers; they never leave as ``KVCacheEvent``s.
+    def add_events(self, events: list[StorageOutcome]) -> None:  # type: ignore[override]
         self.outcomes.extend(events)
 
     def aggregate(self) -> HiMambaWorkerEvents:
@@ -362,7 +363,7 @@ class HiMambaWorkerEvents(KVConnectorKVEvents):  # type: ignore[misc,valid-type]
     def reset_workers(self) -> None:
         self.workers = 1
 
-    def get_all_events(self) -> list[Any]:
+    def get_all_events(self) -> list[StorageOutcome]:  # type: ignore[override]
         return list(self.outcomes)
 
     def get_number_of_workers(self) -> int:

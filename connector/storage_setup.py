@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from himamba.connector.layout import HybridLayout
 from himamba.tiers.object_format import LayoutFingerprint, Namespace
 from himamba.tiers.storage_config import StorageConfig
+
+if TYPE_CHECKING:
+    from vllm.config import ParallelConfig, VllmConfig
+
+    from himamba.tiers.byte_store import ByteStore
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +53,7 @@ def require_storage_extra() -> None:
 
 
 def storage_namespace(
-    vllm_config: Any, layout: HybridLayout, tp_rank: int, cfg: StorageConfig | None = None
+    vllm_config: VllmConfig, layout: HybridLayout, tp_rank: int, cfg: StorageConfig | None = None
 ) -> Namespace:
     """Model *weights* identity + layout (+ this worker's TP rank): see weights_identity."""
     from himamba.connector.weights_identity import weights_identity
@@ -74,7 +79,7 @@ def storage_namespace(
     return Namespace(model=identity, layout=fingerprint)
 
 
-def open_store(cfg: StorageConfig, namespace: Namespace) -> Any:
+def open_store(cfg: StorageConfig, namespace: Namespace) -> ByteStore:
     from himamba.tiers.lmcache_store import LMCacheStore
 
     store = LMCacheStore(cfg, namespace)
@@ -82,7 +87,7 @@ def open_store(cfg: StorageConfig, namespace: Namespace) -> Any:
     return store
 
 
-def acking_workers(parallel_config: Any) -> int:
+def acking_workers(parallel_config: ParallelConfig) -> int:
     """How many workers acknowledge each storage fetch to this engine's scheduler half (and
     report each storage write): the workers whose outputs vLLM hands this engine.
 

@@ -23,21 +23,25 @@ per-step metadata; the scheduler half then prepares its probe store and switches
 is open. Until then it plans fetches as before; a rank that already switched serves them from
 its new store or fails them, and a failed fetch is rolled back: a miss, never a wrong byte
 (every object is validated against its namespace and checksum where it is read).
+
+This module is the mechanism both roles share; each role's side of the protocol lives in its
+own room: ``scheduler/storage_control.py`` (``SchedulerControl``, follows the workers' reports)
+and ``worker/storage_control.py`` (``WorkerControl``, the ``himamba_control`` calls).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from himamba.connector.protocol import ControlAction, ControlRequest, FetchAck
-from himamba.connector.storage_setup import open_store, storage_config, storage_namespace
+from himamba.connector.storage_setup import open_store
+from himamba.tiers.byte_store import ByteStore
+from himamba.tiers.object_format import Namespace
 from himamba.tiers.storage_config import StorageConfig
 from himamba.tiers.thread_priority import lower_current_thread
 
@@ -69,8 +73,8 @@ def in_background(fn: Callable[[], T], name: str, nice: int = 0) -> Future[T]:
 
 
 def open_namespaced(
-    cfg: StorageConfig, namespace: Callable[[], Any], open_cfg: StorageConfig
-) -> Any:
+    cfg: StorageConfig, namespace: Callable[[], Namespace], open_cfg: StorageConfig
+) -> ByteStore:
     """Build the namespace on a thread at the store's niceness (the fingerprint is background
     work), then open the store on the calling thread: threads inherit their creator's
     niceness, and a store's own threads must run at ``open_cfg.thread_nice``, not lower."""
@@ -85,14 +89,14 @@ class Prepared:
 
     cfg: StorageConfig
     section: dict[str, Any] | None
-    store: Any
+    store: ByteStore
 
 
 @dataclass
 class _Preparing:
     cfg: StorageConfig
     section: dict[str, Any] | None
-    future: Future[Any]
+    future: Future[ByteStore]
 
 
 class StoreSwitch:
@@ -114,7 +118,10 @@ class StoreSwitch:
         return None if self._preparing is None else self._preparing.cfg
 
     def prepare(
-        self, cfg: StorageConfig, section: dict[str, Any] | None, opener: Callable[[], Any]
+        self,
+        cfg: StorageConfig,
+        section: dict[str, Any] | None,
+        opener: Callable[[], ByteStore],
     ) -> None:
         """Start opening a store (``opener``) on a background thread; one still in
         preparation is abandoned."""
@@ -128,7 +135,7 @@ class StoreSwitch:
         if pending is not None:
             pending.future.add_done_callback(self._retire_result)
 
-    def _retire_result(self, fut: Future[Any]) -> None:
+    def _retire_result(self, fut: Future[ByteStore]) -> None:
         if not fut.cancelled() and fut.exception() is None:
             self.retire(fut.result().close, "an abandoned store")
 
@@ -183,280 +190,3 @@ class StoreSwitch:
             except Exception:  # noqa: BLE001 - a timeout: that close goes on in its thread
                 pass
         return self.closing() == 0
-
-
-# -- scheduler role ----------------------------------------------------------------------
-
-
-class SchedulerControl:
-    """The scheduler half's side: follows the storage switches its workers report.
-
-    ``events`` (a ``KVEventTracker``, set when vLLM publishes KV events) hears of every switch:
-    its storage medium follows the attached store."""
-
-    def __init__(
-        self,
-        half: Any,
-        vllm_config: Any,
-        layout: Any,
-        configured: StorageConfig | None,
-        acking_workers: int,
-    ) -> None:
-        self.half = half
-        self.vllm_config = vllm_config
-        self.layout = layout
-        self.configured = configured
-        self.acking_workers = acking_workers
-        self.events: Any = None
-        self.switch = StoreSwitch("scheduler")
-
-    def open_store(self, cfg: StorageConfig) -> Any:
-        """The probe store: rank 0's namespace (a shard missing on another rank fails that
-        fetch there, which the ledger rolls back). Probes sit on every new request's critical
-        path, so its threads keep the engine's priority; ``thread_nice`` is for the workers'
-        stores, whose work is mostly writes."""
-        return open_namespaced(
-            cfg,
-            lambda: storage_namespace(self.vllm_config, self.layout, 0, cfg),
-            replace(cfg, thread_nice=0),
-        )
-
-    def attach(self, cfg: StorageConfig, store: Any) -> None:
-        """Use ``store`` from now on; the planner it replaces closes in the background."""
-        self._detach()
-        half = self.half
-        half.attach_storage(half.new_planner(cfg, store, self.acking_workers))
-        if self.events is not None:
-            self.events.storage_attached(cfg)
-
-    def _detach(self) -> bool:
-        planner = self.half.storage
-        if planner is None or not self.half.detach_storage(close_store=False):
-            return False
-        self.switch.retire(planner.store.close, "the probe store")
-        if self.events is not None:
-            self.events.storage_detached()
-        return True
-
-    def on_requests(self, requests: list[ControlRequest]) -> None:
-        """The workers' switches reported in this step's output (each rank reports its own,
-        possibly in different steps: following one twice is a no-op)."""
-        for req in requests:
-            if req.action is ControlAction.DETACH:
-                self.switch.abandon()
-                if self._detach():
-                    logger.info("himamba: storage detached at run time")
-            elif req.action is ControlAction.ATTACH:
-                self._follow_attach(req)
-
-    def _follow_attach(self, req: ControlRequest) -> None:
-        try:
-            section = req.storage()
-            cfg = storage_config(section) if section else self.configured
-        except ValueError as exc:  # the workers accepted it: an environment that differs here
-            self.switch.refuse(None, exc)
-            return
-        if cfg is None or cfg == self.switch.preparing:
-            return
-        current = self.half.storage
-        if self.switch.preparing is None and current is not None and current.cfg == cfg:
-            return
-        self.switch.prepare(cfg, section, lambda: self.open_store(cfg))
-
-    def poll(self) -> None:
-        """At a step boundary: switch if the store in preparation is open."""
-        ready = self.switch.take_ready()
-        if ready is None:
-            return
-        try:
-            self.attach(ready.cfg, ready.store)
-        except Exception as exc:  # noqa: BLE001 - a failed switch must not stop the engine
-            self.switch.refuse(ready.cfg, exc)
-            self.switch.retire(ready.store.close, "the refused store")
-            return
-        logger.info("himamba: storage attached at run time: %s", ready.cfg.target)
-
-    def busy(self) -> bool:
-        """A store is in preparation: vLLM should keep stepping until it is switched in."""
-        return self.switch.preparing is not None
-
-    def counters(self) -> dict[str, int]:
-        return {
-            "storage_attach_refused": self.switch.refusals,
-            "storage_stores_closing": self.switch.closing(),
-        }
-
-    def shutdown(self) -> None:
-        self.switch.shutdown()
-
-
-# -- worker role ---------------------------------------------------------------------------
-
-
-class WorkerControl:
-    """One worker's side: the ``himamba_control`` calls, and the switches they start."""
-
-    def __init__(
-        self, worker: Any, vllm_config: Any, layout: Any, configured: StorageConfig | None
-    ) -> None:
-        self.worker = worker
-        self.vllm_config = vllm_config
-        self.layout = layout
-        self.configured = configured
-        self.current: StorageConfig | None = None
-        self.switch = StoreSwitch(f"worker {worker.rank}")
-        # Acknowledgements of fetches a retired store was running (failed: slots go back).
-        self._acks: list[FetchAck] = []
-        # The scheduler half's planner in the last plan seen (0: it has no storage), the one
-        # seen when the pending attach was asked for, and the switch the scheduler half has not
-        # followed yet: (action, its planner before it heard of the switch). "When asked", as
-        # another rank's earlier switch may have been followed already; when no plan was seen
-        # by then, the plan of the step whose output carries the report.
-        self._planner: int | None = None
-        self._asked_at: int | None = None
-        self._awaiting: tuple[ControlAction, int | None] | None = None
-
-    def opener(self, cfg: StorageConfig, store: Any = None) -> Callable[[dict], Any]:
-        """What ``WorkerHalf.attach_storage`` calls with its host pools (at start-up the store
-        is opened there, once ``register_kv_caches`` made the pools)."""
-        from himamba.connector.worker.worker_storage import WorkerStorage
-
-        rank = self.worker.rank
-        capacity = None if cfg.capacity_gb is None else int(cfg.capacity_gb * (1 << 30))
-
-        def open_storage(pools: dict) -> WorkerStorage:
-            s = self.open_store(cfg) if store is None else store
-            return WorkerStorage(s, pools, rank, capacity, cfg.write_policy)
-
-        return open_storage
-
-    def open_store(self, cfg: StorageConfig) -> Any:
-        rank = self.worker.rank
-        return open_namespaced(
-            cfg, lambda: storage_namespace(self.vllm_config, self.layout, rank, cfg), cfg
-        )
-
-    def attach_at_start(self, cfg: StorageConfig) -> None:
-        self.current = cfg
-        self.worker.attach_storage(self.opener(cfg))
-
-    # -- the control calls (between two steps of this worker) ----------------------------
-    def call(self, action: ControlAction, section: dict[str, Any] | None) -> dict[str, Any]:
-        self.poll()
-        if action is ControlAction.ATTACH:
-            cfg = storage_config(section) if section is not None else self.configured
-            if cfg is None:
-                raise ValueError(
-                    "himamba_control: no storage is configured; pass a storage section "
-                    '(e.g. {"url": "file:///path"}) as the second argument'
-                )
-            attached = self.worker.storage is not None and cfg == self.current
-            if cfg != self.switch.preparing and not (attached and self.switch.preparing is None):
-                self._asked_at = self._planner
-                self.switch.prepare(cfg, section, lambda: self.open_store(cfg))
-        elif action is ControlAction.DETACH:
-            self.switch.abandon()
-            self._retire_current()
-            self.current = None
-            self._report(ControlRequest(ControlAction.DETACH), self._planner)
-        return self.status()
-
-    def status(self) -> dict[str, Any]:
-        """``storage``: this rank's store (``attaching`` while one is prepared); ``target``:
-        that store; ``scheduler``: the scheduler half's, as its last plan showed
-        (``switching`` until it follows this rank's last switch); ``error``: the last refused
-        attach on this rank (None once one succeeded)."""
-        preparing = self.switch.preparing
-        if preparing is not None:
-            state, target = "attaching", preparing.target
-        elif self.worker.storage is not None and self.current is not None:
-            state, target = "attached", self.current.target
-        else:
-            state, target = "detached", None
-        return {
-            "rank": self.worker.rank,
-            "storage": state,
-            "target": target,
-            "scheduler": self._scheduler_state(),
-            "error": self.switch.refusal,
-        }
-
-    def _scheduler_state(self) -> str:
-        seen = self._planner
-        if self._awaiting is not None:
-            action, before = self._awaiting
-            if action is ControlAction.DETACH:
-                followed = seen == 0
-            else:  # ``before`` is None until the report went out
-                followed = before is not None and seen not in (None, 0, before)
-            if not followed:
-                return "switching"
-            self._awaiting = None
-        if seen is None:
-            return "unknown"
-        return "attached" if seen else "detached"
-
-    # -- step boundaries --------------------------------------------------------------------
-    def saw_planner(self, planner: int) -> None:
-        """The planner id of the plan this step runs."""
-        self._planner = planner
-
-    def poll(self) -> None:
-        """Switch to the prepared store if it is open (a cheap check, every step)."""
-        ready = self.switch.take_ready()
-        if ready is None:
-            return
-        # A failed switch must not stop the worker: it keeps the old store if that is still
-        # in place, else it reports a detach, so both halves agree it has none.
-        try:
-            self._retire_current()
-        except Exception as exc:  # noqa: BLE001
-            self.switch.refuse(ready.cfg, exc)
-            self.switch.retire(ready.store.close, "the refused store")
-            return
-        try:
-            self.worker.attach_storage(self.opener(ready.cfg, ready.store))
-        except Exception as exc:  # noqa: BLE001
-            self.switch.refuse(ready.cfg, exc)
-            self.switch.retire(ready.store.close, "the refused store")
-            self.worker.storage = None
-            self.current = None
-            self._report(ControlRequest(ControlAction.DETACH), self._planner)
-            return
-        self.current = ready.cfg
-        section = json.dumps(ready.section) if ready.section else ""
-        self._report(ControlRequest(ControlAction.ATTACH, section), self._asked_at)
-        logger.info("himamba: rank %d attached storage %s", self.worker.rank, ready.cfg.target)
-
-    def _report(self, request: ControlRequest, planner_before: int | None) -> None:
-        self.worker.control_out.append(request)
-        self._awaiting = (request.action, planner_before)
-
-    def take_reports(self) -> list[ControlRequest]:
-        """The switches to report in this step's output (``build_connector_worker_meta``)."""
-        reports, self.worker.control_out = self.worker.control_out, []
-        if reports and self._awaiting is not None and self._awaiting[1] is None:
-            self._awaiting = (self._awaiting[0], self._planner)
-        return reports
-
-    def _retire_current(self) -> None:
-        """Take the current store out of the worker half now, close it in the background."""
-        worker = self.worker
-        worker.settle()  # copies that completed reach the old store first (write-through)
-        old, worker.storage = worker.storage, None
-        worker.detach_storage()  # forgets the start-up opener; nothing is left to close
-        if old is None:
-            return
-        self._acks += old.take_acks()
-        self._acks += old.abort_fetches()
-        # write_back: what only the host holds is copied out now, while the slots still hold
-        # it (the close writes it in the background).
-        old.flush_dirty()
-        self.switch.retire(old.close, "the old store")
-
-    def take_acks(self) -> list[FetchAck]:
-        acks, self._acks = self._acks, []
-        return acks
-
-    def shutdown(self) -> None:
-        self.switch.shutdown()

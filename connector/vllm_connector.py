@@ -33,18 +33,32 @@ from himamba.connector.protocol import (
     StepPlan,
 )
 from himamba.connector.scheduler.scheduler_half import SchedulerHalf
+from himamba.connector.scheduler.storage_control import SchedulerControl
 from himamba.connector.storage_setup import acking_workers, storage_config
-from himamba.connector.storage_switch import SchedulerControl, WorkerControl
 from himamba.connector.vllm_fixups.engine_config import (
     BlockSizeGuard,
     adapt_load_failure_policy,
     retain_decode_states,
 )
 from himamba.connector.worker.ranks import worker_rank
+from himamba.connector.worker.storage_control import WorkerControl
 from himamba.connector.worker.worker_half import WorkerHalf
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
 logger = logging.getLogger("himamba")
 
@@ -85,7 +99,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         self,
         vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: Any = None,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _adopt_vllm_logging()  # vLLM has configured its logger by now
@@ -97,7 +111,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         self.layout: HybridLayout | None = None
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
-        # Run-time storage control (connector.storage_switch), one per role.
+        # Run-time storage control (connector.storage_switch, each role's storage_control).
         self._control: SchedulerControl | WorkerControl | None = None
         self._stats: SchedulerStats | WorkerStats | None = None
         self._events: KVEventTracker | None = None
@@ -138,30 +152,32 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler role -------------------------------------------------------------
     def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if self.scheduler is None:
             return 0, False
         return self.scheduler.lookup(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if self.scheduler is not None:
             self.scheduler.after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self.scheduler is None:
             return HiMambaMetadata()
         assert isinstance(self._control, SchedulerControl)
         self._control.poll()  # a store prepared since the last step is switched in here
         return HiMambaMetadata(plan=self.scheduler.build_plan(scheduler_output))
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         if self._block_size_guard is not None:
             self._block_size_guard.check()
         if self.scheduler is not None:
             self.scheduler.on_new_request(request)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._events is not None:
             self._absorb_worker_events(getattr(connector_output, "kv_cache_events", None))
         if self.scheduler is not None:
@@ -186,13 +202,13 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(self._control, SchedulerControl)
         return self.scheduler.has_pending_work() or self._control.busy()
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         if self.scheduler is not None:
             self.scheduler.on_finished(request)
         return False, None
 
     def request_finished_all_groups(
-        self, request: Any, block_ids: tuple[list[int], ...]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, None]:
         return self.request_finished(request, [])
 
@@ -211,7 +227,9 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None:
             self.scheduler.drop_host_tier()
 
-    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict:
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
         if not num_external_tokens or CacheHitSource is None or self.scheduler is None:
             return {}
         host, disk = self.scheduler.hit_sources(request.request_id, num_external_tokens)
@@ -247,17 +265,17 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.storage.store.close()
 
     # -- worker role ----------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker is not None:
             self.worker.register(kv_caches)
 
-    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM's first worker hook of every step, before it zeroes, copies or rewrites any
         # block: the last step's stores must have read their source blocks by now.
         if self.worker is not None:
             self.worker.fence()
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: object) -> None:
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, HiMambaMetadata) and isinstance(self._control, WorkerControl)
@@ -267,7 +285,13 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: object,
+    ) -> None:
         return None
 
     def wait_for_save(self) -> None:
@@ -276,7 +300,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             assert isinstance(meta, HiMambaMetadata)
             self.worker.run_stores(meta.plan)
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorTransferResults,
         )
@@ -287,7 +311,9 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     # -- metrics and KV events (both roles) -----------------------------------------------
-    def _init_observability(self, vllm_config: Any, kv_cache_config: Any) -> None:
+    def _init_observability(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+    ) -> None:
         """Stats sources for both roles; KV events only when vLLM publishes them (otherwise no
         tracker exists and the tree has no observer: no per-step cost)."""
         enabled = events_enabled(vllm_config)
@@ -324,8 +350,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(
         cls,
-        vllm_config: Any,
-        metric_types: dict[Any, Any],
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> HiMambaPromMetrics:
@@ -340,19 +366,19 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         storage.outcomes = []  # type: ignore[union-attr]
         return HiMambaWorkerEvents(outcomes)
 
-    def _absorb_worker_events(self, events: Any) -> None:
+    def _absorb_worker_events(self, events: KVConnectorKVEvents | None) -> None:
         if isinstance(events, HiMambaWorkerEvents) and events.outcomes:
             assert self._events is not None and self.scheduler is not None
             storage = self.scheduler.storage
             self._events.absorb(events.outcomes, "" if storage is None else storage.epoch)
 
-    def take_events(self) -> Any:
+    def take_events(self) -> Iterable[KVCacheEvent]:
         """Scheduler role: our tiers' BlockStored / BlockRemoved events of this step, published
         by vLLM's own KV-event publisher with its GPU events (see ``connector.kv_events``)."""
         return () if self._events is None else self._events.take()
 
     # -- introspection (tests, demo) ---------------------------------------------------
-    def leak_report(self) -> dict[str, Any]:
+    def leak_report(self) -> dict[str, int | bool]:
         """What this role still holds per request or per object (all zero once idle)."""
         if self.scheduler is not None:
             return self.scheduler.leak_report()
@@ -360,7 +386,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             return self.worker.leak_report()
         return {}
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, float]:
         if self.scheduler is not None:
             assert isinstance(self._control, SchedulerControl)
             return {**self.scheduler.stats(), **self._control.counters()}

@@ -21,9 +21,12 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from himamba.tiers.storage_config import WEIGHTS_FINGERPRINTS
+
+if TYPE_CHECKING:
+    from vllm.config import LoadConfig, ModelConfig, VllmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +35,11 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 _CHUNK = 8 << 20
 
 
-def _h() -> Any:
+def _h() -> hashlib.blake2b:
     return hashlib.blake2b(digest_size=16)
 
 
-def _safetensors_samples(f: Any, size: int, h: Any, full: bool) -> None:
+def _safetensors_samples(f: int, size: int, h: hashlib.blake2b, full: bool) -> None:
     (n,) = struct.unpack("<Q", os.pread(f, 8, 0))
     if n > size - 8 or n > 100 << 20:
         raise ValueError("not a safetensors file (header length out of range)")
@@ -57,7 +60,7 @@ def _safetensors_samples(f: Any, size: int, h: Any, full: bool) -> None:
             h.update(os.pread(f, _SAMPLE, base + at))
 
 
-def _spread_samples(f: Any, size: int, h: Any) -> None:
+def _spread_samples(f: int, size: int, h: hashlib.blake2b) -> None:
     """Formats we cannot parse (pickled .bin, gguf): 64 evenly spaced samples plus the size."""
     h.update(size.to_bytes(8, "little"))
     points = 64
@@ -67,7 +70,7 @@ def _spread_samples(f: Any, size: int, h: Any) -> None:
         )
 
 
-def _whole_file(f: Any, size: int, h: Any, start: int = 0) -> None:
+def _whole_file(f: int, size: int, h: hashlib.blake2b, start: int = 0) -> None:
     pos = start
     while pos < size:
         chunk = os.pread(f, min(_CHUNK, size - pos), pos)
@@ -118,7 +121,7 @@ def fingerprint_checkpoint(root: Path, mode: str = "sampled") -> str:
     return h.hexdigest()
 
 
-def _local_checkpoint(model_config: Any, load_config: Any) -> Path | None:
+def _local_checkpoint(model_config: ModelConfig, load_config: LoadConfig | None) -> Path | None:
     name = getattr(model_config, "model_weights", "") or model_config.model
     download_dir = getattr(load_config, "download_dir", None)
     if os.path.isdir(name):
@@ -137,7 +140,9 @@ def _local_checkpoint(model_config: Any, load_config: Any) -> Path | None:
         return None
 
 
-def weights_identity(vllm_config: Any, mode: str = "sampled", weights_id: str | None = None) -> str:
+def weights_identity(
+    vllm_config: VllmConfig, mode: str = "sampled", weights_id: str | None = None
+) -> str:
     """``<Architecture>:<digest>``: equal exactly when the served weights are the same."""
     mc = vllm_config.model_config
     load = getattr(vllm_config, "load_config", None)

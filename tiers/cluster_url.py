@@ -35,7 +35,7 @@ DEFAULT_PORT = 6379
 GLIDE_MODULE = "glide_sync"
 
 
-def is_cluster_url(url: Any) -> bool:
+def is_cluster_url(url: object) -> bool:
     """Whether `url` names a Redis/Valkey Cluster (one of `CLUSTER_SCHEMES`)."""
     if not isinstance(url, str):
         return False

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 SECRET_KEYS = ("password", "secret", "token", "credential")
 REDACTED = "***"
 
 
-def redacted_url(url: Any) -> Any:
+def redacted_url(url: _T) -> _T | str:
     """``url`` with its password (``scheme://user:pw@host``) replaced by ``***``, for logs,
     errors and status answers; anything that is not a URL with a password comes back as it is.
     The user name stays: it tells which account a log line is about.

@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +35,6 @@ def lower_current_thread(nice: int) -> None:
     lower_thread(threading.get_native_id(), nice)
 
 
-def initializer(nice: int) -> Callable[[], Any]:
+def initializer(nice: int) -> Callable[[], None]:
     """For ``ThreadPoolExecutor(initializer=...)``: each worker lowers itself when it starts."""
     return lambda: lower_current_thread(nice)

@@ -10,9 +10,12 @@ vLLM's offloading connector sends for payloads it cannot describe).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 
 @dataclass(slots=True)
@@ -31,7 +34,7 @@ class BlockPayload:
         return bool(self.token_ids)
 
 
-def describe_block(request: Any, index: int, block_size: int, per_block: int) -> BlockPayload:
+def describe_block(request: Request, index: int, block_size: int, per_block: int) -> BlockPayload:
     """Block ``index`` of ``request`` (``per_block`` hash blocks per scheduler block)."""
 
     def block_hash(i: int) -> bytes:
@@ -87,7 +90,7 @@ def _chains(prev: BlockStored, ev: BlockStored) -> bool:
     )
 
 
-def _extra_keys(request: Any, start: int, end: int) -> list[Any] | None:
+def _extra_keys(request: Request, start: int, end: int) -> list[Any] | None:
     """The block's untagged extra keys (cache salt, LoRA, multimodal), as vLLM publishes."""
     try:
         from vllm.v1.core.kv_cache_utils import (

@@ -31,7 +31,7 @@ tree's observer slot is then None and the halves skip every call with one attrib
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -46,10 +46,18 @@ from himamba.connector.protocol import StorageOutcome
 from himamba.tiers.object_format import KV_OBJECT as KV
 from himamba.tiers.object_format import MAMBA_OBJECT as MAMBA
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from himamba.connector.layout import HybridLayout
+    from himamba.tiers.storage_config import StorageConfig
+
 __all__ = ["KVEventTracker", "events_enabled", "group_kinds", "merge_events"]
 
 
-def events_enabled(vllm_config: Any) -> bool:
+def events_enabled(vllm_config: VllmConfig) -> bool:
     """Whether vLLM will publish connector events (enabled, with a publisher that sends)."""
     cfg = getattr(vllm_config, "kv_events_config", None)
     return bool(
@@ -59,7 +67,7 @@ def events_enabled(vllm_config: Any) -> bool:
     )
 
 
-def group_kinds(layout: Any, kv_cache_config: Any) -> dict[int, str]:
+def group_kinds(layout: HybridLayout, kv_cache_config: KVCacheConfig | None) -> dict[int, str]:
     """``kv_cache_spec_kind`` of every group we cache, as vLLM's own events name it."""
     out = {g.group_id: "full_attention" for g in layout.attention}
     out.update({g.group_id: "mamba" for g in layout.mamba})
@@ -85,7 +93,7 @@ class KVEventTracker:
 
     def __init__(
         self,
-        layout: Any,
+        layout: HybridLayout,
         kinds: dict[int, str],
         workers: int = 1,
         max_pending_writes: int = 65536,
@@ -99,14 +107,14 @@ class KVEventTracker:
         self.storage = StorageEvents(self, workers, max_pending_writes)
         # Stores planned this step: hash -> (request, block index); committed (or not) by the
         # tree within the same step, so whatever is left at ``take`` is dropped.
-        self._planned: dict[int, dict[bytes, tuple[Any, int]]] = {KV: {}, MAMBA: {}}
+        self._planned: dict[int, dict[bytes, tuple[Request, int]]] = {KV: {}, MAMBA: {}}
         # Host objects that came from storage and that no request has loaded yet: announced
         # when one does (the request gives the tokens); removed silently if none ever does.
         self._unannounced: dict[int, set[bytes]] = {KV: set(), MAMBA: set()}
         self._queue: list[KVCacheEvent] = []
 
     # -- which store is attached -----------------------------------------------------------
-    def storage_attached(self, cfg: Any) -> None:
+    def storage_attached(self, cfg: StorageConfig) -> None:
         """``cfg`` (a ``StorageConfig``) is the store from now on (any previous one is gone)."""
         self.storage.attach(cfg.adapter, cfg.write_policy)
 
@@ -118,13 +126,13 @@ class KVEventTracker:
         self.storage.retract()
 
     # -- what the scheduler half tells us ------------------------------------------------
-    def planned_kv(self, request: Any, index: int, block_hash: bytes) -> None:
+    def planned_kv(self, request: Request, index: int, block_hash: bytes) -> None:
         self._planned[KV][block_hash] = (request, index)
 
-    def planned_state(self, request: Any, boundary_blocks: int, block_hash: bytes) -> None:
+    def planned_state(self, request: Request, boundary_blocks: int, block_hash: bytes) -> None:
         self._planned[MAMBA][block_hash] = (request, boundary_blocks - 1)
 
-    def loaded(self, request: Any, start: int, end: int) -> None:
+    def loaded(self, request: Request, start: int, end: int) -> None:
         """A request loads blocks ``[start, end)`` and the state at ``end`` from the CPU tier."""
         kv, states = self._unannounced[KV], self._unannounced[MAMBA]
         if not (kv or states) or end <= start:
@@ -186,10 +194,10 @@ class KVEventTracker:
         }
 
     # -- payloads --------------------------------------------------------------------------
-    def _hash(self, request: Any, index: int) -> bytes:
+    def _hash(self, request: Request, index: int) -> bytes:
         return request.block_hashes[(index + 1) * self._per_block - 1]
 
-    def _describe(self, request: Any, index: int) -> BlockPayload:
+    def _describe(self, request: Request, index: int) -> BlockPayload:
         return describe_block(request, index, self.block_size, self._per_block)
 
     def stored(

@@ -16,9 +16,14 @@ integer comparisons.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from himamba.connector.observability.metrics import Breaker, HiMambaStats, StatsRecorder
+
+if TYPE_CHECKING:
+    from himamba.connector.scheduler.scheduler_half import SchedulerHalf
+    from himamba.connector.worker.worker_half import WorkerHalf
+    from himamba.tiers.byte_store import ByteStore
 
 _BREAKER = {"closed": Breaker.CLOSED, "open": Breaker.OPEN, "probing": Breaker.PROBING}
 
@@ -44,7 +49,7 @@ class Deltas:
 class StoreReader:
     """Errors, skipped writes and breaker of one ``LMCacheStore`` (``StoreStats`` counters)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: ByteStore) -> None:
         self.store = store
         self._d = Deltas()
         self._last: tuple[int, ...] = ()
@@ -87,7 +92,9 @@ class StoreReader:
         self._breaker = state
 
 
-def read_store(current: StoreReader | None, store: Any, rec: StatsRecorder) -> StoreReader | None:
+def read_store(
+    current: StoreReader | None, store: ByteStore | None, rec: StatsRecorder
+) -> StoreReader | None:
     """Read the attached ``store`` (None: none) into ``rec``; returns the reader to keep.
 
     A store switched at run time gets a fresh reader (its counters start from zero, and its
@@ -120,7 +127,7 @@ class SchedulerStats:
     """The scheduler half's per-interval report. Runs every engine step, so an unchanged step
     costs one tuple of integers and one comparison."""
 
-    def __init__(self, half: Any) -> None:
+    def __init__(self, half: SchedulerHalf) -> None:
         self.half = half
         self._rec = StatsRecorder()
         self._last: tuple[int, ...] = (0,) * (len(_SCHEDULER_COUNTERS) + 2)
@@ -171,7 +178,7 @@ class SchedulerStats:
 class WorkerStats:
     """One worker half's per-interval report (the histograms are recorded as work happens)."""
 
-    def __init__(self, half: Any) -> None:
+    def __init__(self, half: WorkerHalf) -> None:
         self.half = half
         self._store: StoreReader | None = None
 

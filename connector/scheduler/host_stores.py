@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from himamba.connector.config import HiMambaConfig
 from himamba.connector.layout import HybridLayout
@@ -22,7 +22,7 @@ from himamba.connector.tree import HybridRadixTree
 from himamba.mamba_state.state_budget import RequestStates, StateBudget
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
     from vllm.v1.request import Request
 
     from himamba.connector.observability.kv_events import KVEventTracker
@@ -109,7 +109,11 @@ class HostStores:
         return out
 
     def _plan_kv(
-        self, plan: StepPlan, so: SchedulerOutput, block_state: Any, finished: set[str]
+        self,
+        plan: StepPlan,
+        so: SchedulerOutput,
+        block_state: KVConnectorBlockState,
+        finished: set[str],
     ) -> None:
         bs = self.layout.block_size
         computed = self._computed_before_step(so)

@@ -13,9 +13,12 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from himamba.connector.weights_identity import fingerprint_checkpoint
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ class LoraTags:
         self.mode = mode
         self._tags: dict[int, str] = {}
 
-    def tag(self, lora_request: Any) -> str:
+    def tag(self, lora_request: LoRARequest | None) -> str:
         """The request's adapter tag; "" without LoRA."""
         if lora_request is None:
             return ""
@@ -44,7 +47,7 @@ class LoraTags:
         """The tag of an adapter seen before (tree partitions name adapters by id)."""
         return "" if lora_id is None else self._tags.get(lora_id, "")
 
-    def _fingerprint(self, lora_request: Any) -> str:
+    def _fingerprint(self, lora_request: LoRARequest) -> str:
         path = Path(str(getattr(lora_request, "lora_path", "") or ""))
         h = hashlib.blake2b(digest_size=TAG_HEX // 2)
         try:

@@ -9,6 +9,7 @@ Rules that keep hybrid hits exact (see shared notes on the connector contract):
   ids), never derived positionally;
 - every hit is locked in the tree from lookup until the worker reports the load;
 - a request whose load failed is never offered a hit again (no retry loops).
+The last two are kept by ``hits.HitBook``, which holds every promised and loading hit.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from himamba.connector.config import HiMambaConfig
@@ -31,10 +31,11 @@ from himamba.connector.protocol import (
 )
 from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.generations import StorageGenerations
+from himamba.connector.scheduler.hits import HitBook
 from himamba.connector.scheduler.host_stores import HostStores, block_hashes, request_partition
 from himamba.connector.scheduler.lora_identity import LoraTags
 from himamba.connector.scheduler.storage_planner import StoragePlanner
-from himamba.connector.tree import HybridRadixTree, LockHandle, MatchResult
+from himamba.connector.tree import HybridRadixTree, MatchResult
 from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.storage_config import StorageConfig
 
@@ -51,16 +52,6 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Pending:
-    """A hit promised to vLLM and locked, waiting for its blocks."""
-
-    result: MatchResult
-    handle: LockHandle
-    num_blocks: int
-    mamba_slot: int
 
 
 class SchedulerHalf:
@@ -84,14 +75,8 @@ class SchedulerHalf:
         self.generations = StorageGenerations()
         self.lora = LoraTags()
         self.storage = storage
-        self._pending: dict[str, _Pending] = {}
-        self._inflight: dict[str, LockHandle] = {}
-        self._no_hits: set[str] = set()
-        # Requests whose hit was counted as a use of its path (selective write-through's
-        # threshold): a retried lookup locks again but is not another use.
-        self._hit_counted: set[str] = set()
-        # (host tokens, storage tokens) of each request's external hit, for vLLM's metrics.
-        self._hit_split: dict[str, tuple[int, int]] = {}
+        # Promised and loading hits, locked until the worker reports their loads.
+        self.hits = HitBook(self.tree)
         # Fetch ids a closed planner sent: the next plan cancels them before anything else.
         self._orphan_cancels: list[int] = []
         self.check_plans = os.environ.get(CHECK_PLANS_ENV, "0") not in ("", "0")
@@ -179,9 +164,9 @@ class SchedulerHalf:
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        self._release_pending(req_id)
+        self.hits.release(req_id)
         bs = self.layout.block_size
-        if num_computed_tokens % bs or req_id in self._no_hits:
+        if num_computed_tokens % bs or self.hits.barred(req_id):
             return 0, False
         hashes, max_blocks = self._hittable(request)
         start = num_computed_tokens // bs
@@ -210,12 +195,9 @@ class SchedulerHalf:
         if num_blocks <= start or tokens < max(self.config.min_load_tokens, 1):
             self.counters.lookups_missed += 1
             return 0, False
-        first_use = req_id not in self._hit_counted
-        handle = self.tree.lock(result, host_only=True, count_hit=first_use)
-        if handle is None:
+        first_use = self.hits.first_use(req_id)
+        if not self.hits.promise(req_id, result, num_blocks):
             return 0, False
-        self._hit_counted.add(req_id)
-        self._pending[req_id] = _Pending(result, handle, num_blocks, result.state_slot(True))
         storage = self.storage
         selective = storage is not None and storage.cfg.write_policy.writes_popular
         if first_use and selective:
@@ -231,11 +213,10 @@ class SchedulerHalf:
     ) -> None:
         req_id = request.request_id
         self.stores.track(request)
-        pending = self._pending.pop(req_id, None)
         if num_external_tokens == 0:
-            if pending is not None:
-                self.tree.unlock(pending.handle)
+            self.hits.release(req_id)
             return
+        pending = self.hits.take_pending(req_id)
         if pending is None:
             return  # the second call for an async load carries no new work
         result, n = pending.result, pending.num_blocks
@@ -257,12 +238,11 @@ class SchedulerHalf:
         self._plan.loads.append(
             LoadJob(req_id, kv_slots, kv_blocks, pending.mamba_slot, tuple(mamba_blocks), doomed)
         )
-        self._inflight[req_id] = pending.handle
         from_storage = 0
         if self.storage is not None:
             from_storage = self.storage.storage_blocks_used(req_id, start, n) * bs
         from_storage = min(from_storage, num_external_tokens)
-        self._hit_split[req_id] = (num_external_tokens - from_storage, from_storage)
+        self.hits.loading(req_id, pending.handle, num_external_tokens - from_storage, from_storage)
         self.counters.loads += 1
         self.counters.hit_tokens += num_external_tokens
         self.counters.hit_tokens_storage += from_storage
@@ -270,11 +250,8 @@ class SchedulerHalf:
             self.events.loaded(request, start, n)
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> tuple[int, int]:
-        """(host tokens, storage tokens) of a request's external hit: storage counts only the
-        blocks of the hit that its fetch brought in, not everything it fetched."""
-        _, storage = self._hit_split.get(req_id, (num_external_tokens, 0))
-        storage = min(storage, num_external_tokens)
-        return num_external_tokens - storage, storage
+        """(host tokens, storage tokens) of a request's external hit (``HitBook.hit_sources``)."""
+        return self.hits.hit_sources(req_id, num_external_tokens)
 
     # -- per step ------------------------------------------------------------------
     def build_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
@@ -329,25 +306,20 @@ class SchedulerHalf:
             self.storage.on_acks(fetch_acks)
         failed = set(failed_recving or ())
         for req_id in finished_recving or ():
-            handle = self._inflight.pop(req_id, None)
-            if handle is None:
+            if not self.hits.load_done(req_id):
                 continue
-            self.tree.unlock(handle)
             if req_id in failed:
                 self.counters.loads_failed += 1
                 # Never offer this request a hit again (no retry loop). vLLM may already have
                 # finished it (policy "fail", or an abort in the same step): then there is
                 # nothing to remember.
                 if self.stores.is_tracked(req_id):
-                    self._no_hits.add(req_id)
+                    self.hits.bar(req_id)
 
     def on_finished(self, request: Request) -> None:
         req_id = request.request_id
-        self._release_pending(req_id)
+        self.hits.forget(req_id)
         self.stores.forget(req_id)
-        self._no_hits.discard(req_id)
-        self._hit_counted.discard(req_id)
-        self._hit_split.pop(req_id, None)
         if self.storage is not None:
             self.storage.forget(req_id)
 
@@ -366,8 +338,7 @@ class SchedulerHalf:
         already sent to the workers cannot be called back: while any is unacknowledged the reset
         reports False (vLLM's own reset fails then too), and the caller retries.
         """
-        for req_id in list(self._pending):
-            self._release_pending(req_id)
+        self.hits.release_all()
         # The epoch belongs to the scheduler, not to the attached store: a reset while
         # detached still makes everything stored before it unreachable after an attach.
         self.generations.new_epoch()
@@ -375,19 +346,13 @@ class SchedulerHalf:
             self.storage.reset()
         self.tree.reset()
         self.counters.resets += 1
-        return not self._inflight
+        return not self.hits.loads_in_flight()
 
     def drop_host_tier(self) -> None:
         """Forget the CPU tier and every mark, but keep storage reachable (what a restart does):
         the next request learns from storage again. Unlike ``reset`` nothing becomes stale."""
-        for req_id in list(self._pending):
-            self._release_pending(req_id)
+        self.hits.release_all()
         self.tree.reset()
-
-    def _release_pending(self, req_id: str) -> None:
-        pending = self._pending.pop(req_id, None)
-        if pending is not None:
-            self.tree.unlock(pending.handle)
 
     def leak_report(self) -> dict[str, int | bool]:
         """What is still held; all zero (and conserved) once the engine is idle."""
@@ -400,11 +365,8 @@ class SchedulerHalf:
             logger.error("himamba: tree invariant broken: %s", exc)
             conserved = False
         report: dict[str, int | bool] = {
-            "pending_hits": len(self._pending),
-            "inflight_loads": len(self._inflight),
+            **self.hits.leak_report(),
             "tracked_requests": len(self.stores),
-            "no_hit_requests": len(self._no_hits),
-            "hit_records": len(self._hit_counted) + len(self._hit_split),
             "locked_entries": len(self.tree.handles),
             "pending_stores": self.tree.stats()["pending_stores"],
             "slots_conserved": conserved,

@@ -74,7 +74,20 @@ import importlib.abc
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+_Spec = TypeVar("_Spec")
 
 # A child of vLLM's logger, so our lines come out with vLLM's handler and format.
 logger = logging.getLogger("vllm.himamba.cpu_compat")
@@ -109,7 +122,7 @@ def register() -> None:
         sys.meta_path.insert(0, _PatchOnImport(pending))
 
 
-def _patches() -> dict[str, Any]:
+def _patches() -> dict[str, Callable[[], bool]]:
     """Module name -> the function that patches it, for every fix this plugin applies."""
     return {MIXER2_MODULE: patch_mamba_mixer2, ROPE_MODULE: patch_cpu_rope}
 
@@ -122,10 +135,12 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     leaves ``sys.meta_path`` once every module it waits for has been patched.
     """
 
-    def __init__(self, pending: dict[str, Any]) -> None:
+    def __init__(self, pending: dict[str, Callable[[], bool]]) -> None:
         self.pending = dict(pending)
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         patch = self.pending.get(fullname)
         if patch is None:
             return None
@@ -141,7 +156,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             return spec
         inner_exec = spec.loader.exec_module
 
-        def exec_module(module: Any) -> None:
+        def exec_module(module: ModuleType) -> None:
             inner_exec(module)
             self.pending.pop(fullname, None)
             if not self.pending and self in sys.meta_path:
@@ -175,7 +190,7 @@ def patch_mamba_mixer2() -> bool:
         return True
 
     @functools.wraps(original)
-    def get_kv_cache_spec(self: Any, vllm_config: Any) -> Any:
+    def get_kv_cache_spec(self: MambaMixer2, vllm_config: VllmConfig) -> KVCacheSpec | None:
         return without_prefill_checkpoints(original(self, vllm_config), MambaSpec)
 
     setattr(get_kv_cache_spec, _PATCH_FLAG, True)
@@ -187,7 +202,7 @@ def patch_mamba_mixer2() -> bool:
     return True
 
 
-def without_prefill_checkpoints(spec: Any, mamba_spec_type: type) -> Any:
+def without_prefill_checkpoints(spec: _Spec, mamba_spec_type: type) -> _Spec:
     """Return ``spec`` without prefill checkpoint blocks; any other spec comes back as is."""
     if not isinstance(spec, mamba_spec_type):
         return spec
@@ -223,7 +238,12 @@ def patch_cpu_rope() -> bool:
         return True
 
     @functools.wraps(original)
-    def forward_cpu(self: Any, positions: Any, query: Any, key: Any = None) -> Any:
+    def forward_cpu(
+        self: RotaryEmbedding,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if query.dim() <= 2 and (key is None or key.dim() <= 2):
             return original(self, positions, query, key)
         return rope_on_token_rows(
@@ -239,7 +259,12 @@ def patch_cpu_rope() -> bool:
     return True
 
 
-def rope_on_token_rows(apply: Any, num_tokens: int, query: Any, key: Any) -> tuple[Any, Any]:
+def rope_on_token_rows(
+    apply: Callable[[torch.Tensor, torch.Tensor | None], object],
+    num_tokens: int,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the in-place rotary op ``apply(q, k)`` on ``[num_tokens, -1]`` views of ``query`` and
     ``key`` and return them in their own shapes.
 
@@ -256,7 +281,7 @@ def rope_on_token_rows(apply: Any, num_tokens: int, query: Any, key: Any) -> tup
     return query, key
 
 
-def _token_rows(t: Any, num_tokens: int) -> tuple[Any, bool]:
+def _token_rows(t: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, bool]:
     """``t`` as ``[num_tokens, -1]`` with a unit last stride: a view when possible, else a copy
     (second item True)."""
     if t.dim() <= 2 and t.stride(-1) == 1:

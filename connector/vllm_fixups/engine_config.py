@@ -4,15 +4,19 @@ multi-process config handling would silently cost hits or requests."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from himamba.connector.config import HiMambaConfig
 from himamba.connector.layout import HybridLayout
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
 logger = logging.getLogger("himamba")
 
 
-def adapt_load_failure_policy(vllm_config: Any, config: HiMambaConfig) -> None:
+def adapt_load_failure_policy(vllm_config: VllmConfig, config: HiMambaConfig) -> None:
     """vLLM's default ``kv_load_failure_policy="fail"`` turns a failed cache load into a failed
     user request. A cache that cannot deliver must cost a recompute, never a request, so the
     policy is switched to ``recompute`` (vLLM's scheduler reads it right after creating this
@@ -46,7 +50,7 @@ class BlockSizeGuard:
     conversation hits a block short. Every request passes ``on_new_request`` before it is
     scheduled, so checking there (an int compare) keeps every split aligned."""
 
-    def __init__(self, vllm_config: Any, block_size: int) -> None:
+    def __init__(self, vllm_config: VllmConfig, block_size: int) -> None:
         self.cache_config = getattr(vllm_config, "cache_config", None)
         self.block_size = block_size
         self.warned = False
@@ -69,7 +73,10 @@ class BlockSizeGuard:
 
 
 def retain_decode_states(
-    vllm_config: Any, kv_cache_config: Any, config: HiMambaConfig, layout: HybridLayout
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig | None,
+    config: HiMambaConfig,
+    layout: HybridLayout,
 ) -> None:
     """Let Mamba states inside generated output reach the connector.
 

@@ -79,7 +79,7 @@ class WorkerHalf:
         self.record_storage_events = False
 
     # -- setup ---------------------------------------------------------------
-    def register(self, kv_caches: dict[str, Any]) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.layout.num_gpu_blocks
         self.kv_layers = self._wrap(self.layout.attention, kv_caches, num_blocks)
         mamba_layers = self._wrap(self.layout.mamba, kv_caches, num_blocks)
