@@ -10,8 +10,6 @@ process like tests/harness/scenarios.py's.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.harness.redis_cluster import SKIP_REASON, cluster_available
 from tests.harness.scenarios import prompt
 from tests.harness.subprocess_run import child_env, run_script
 
@@ -30,16 +29,7 @@ A_LEN, B_LEN = 1000, 700
 THIS = ["-m", "tests.e2e.test_cluster"]  # how a child runs one scenario of this file
 
 
-def _glide_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("glide_sync") is not None
-
-
-needs_cluster = pytest.mark.skipif(
-    not (shutil.which("redis-server") and shutil.which("redis-cli") and _glide_installed()),
-    reason="needs redis-server/redis-cli and valkey-glide-sync (pip install 'himamba[cluster]')",
-)
+needs_cluster = pytest.mark.skipif(not cluster_available(), reason=SKIP_REASON)
 
 
 def hit(prompt_len: int, block_size: int) -> int:
@@ -181,25 +171,6 @@ def test_one_dead_node_keeps_every_request_exact_and_its_keys_return_after_resta
     assert [o["tokens"] for o in out["back"]] == reference
     assert [o["cached"] for o in out["back"]] == [full] * len(reference)
     assert out["leaks"]["locked_entries"] == 0
-
-
-@needs_cluster
-@pytest.mark.skipif(
-    os.environ.get("HIMAMBA_TEST_CLUSTER_TP") != "1",
-    reason="TP=2 through the cluster: ~3-6 min on 2 cores; set HIMAMBA_TEST_CLUSTER_TP=1",
-)
-def test_tp2_fresh_process_hits_what_another_tp2_process_stored_in_the_cluster(
-    granite_model, prompts, reference, block, redis_cluster
-):
-    from tests.harness.subprocess_run import run_scenario
-
-    args = {"model": str(granite_model), "prompts": prompts[:1], "tp": 2}
-    args["extra"] = cluster_extra(redis_cluster.url)
-    run_scenario("storage_writer", args, timeout=400)
-    read = run_scenario("storage_reader", args, timeout=400)
-    assert read["outs"][0]["cached"] == hit(A_LEN, block)
-    assert read["outs"][0]["tokens"] == reference[0]
-    assert read["stats"].get("storage_fetch_failed", 0) == 0
 
 
 # -- scenarios (run in their own processes) -------------------------------------------------

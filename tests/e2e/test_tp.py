@@ -2,17 +2,21 @@
 
 Each worker holds its own shard of every block and state, stores it under its own rank's keys
 and fetches it back on its own; a storage hit is only real when both ranks fetched. Tokens are
-compared with a TP=2 engine that has no connector.
+compared with a TP=2 engine that has no connector. Storage here is a 3-node Redis Cluster
+(LMCache's cluster client opened by each spawned worker); the other stores are the same code
+path below the adapter and are covered at TP=2 by tests/lifecycle/test_tp.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.harness.process_faults import delay_acks
+from tests.harness.redis_cluster import running_cluster
 from tests.harness.scenarios import prompt
 from tests.harness.subprocess_run import run_scenario
 
@@ -54,17 +58,18 @@ def test_tp2_cpu_tier_hit_after_gpu_reset_is_token_exact(granite_model, prompts,
 
 
 @pytest.fixture(scope="module")
-def written(granite_model, prompts, tmp_path_factory) -> dict[str, Any]:
-    """A TP=2 engine computed both prompts with write-through to a directory, then exited."""
-    store = tmp_path_factory.mktemp("tp-store")
-    args = {
-        "model": str(granite_model),
-        "prompts": prompts,
-        "extra": {"cpu_cache_gb": 0.05, "storage": {"url": f"file://{store}"}},
-        **TP,
-    }
-    run_scenario("storage_writer", args)
-    return args
+def written(granite_model, prompts, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """A TP=2 engine computed both prompts with write-through to a Redis Cluster, then exited;
+    the cluster keeps running for the readers."""
+    with running_cluster(tmp_path_factory.mktemp("tp-cluster")) as cluster:
+        args = {
+            "model": str(granite_model),
+            "prompts": prompts,
+            "extra": {"cpu_cache_gb": 0.05, "storage": {"url": cluster.url}},
+            **TP,
+        }
+        run_scenario("storage_writer", args)
+        yield args
 
 
 def test_tp2_fresh_process_hits_what_another_tp2_process_stored(written, reference):
