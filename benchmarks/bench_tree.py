@@ -187,6 +187,7 @@ def main() -> None:
             vt.append(clock() - t)
         res["vllm_lookup_p50_us"] = round(pct(vt, 0.5), 2)
         res["vllm_lookup_p99_us"] = round(pct(vt, 0.99), 2)
+        res["match_vs_vllm_p50"] = round(pct(mt, 0.5) / max(pct(vt, 0.5), 1e-9), 2)
     print(json.dumps(res) if args.json else res)
 
 

@@ -38,7 +38,7 @@ class Forest:
         """The node holding block ``end - 1`` and its index there, without changing the tree."""
         node, pos = self.roots.get(partition), 0
         while node is not None and pos < end:
-            child = node.children.get(hashes[pos])
+            child = node.child(hashes[pos])
             if child is None:
                 return None
             k = min(len(child.hashes), end - pos)
@@ -68,7 +68,7 @@ class Forest:
         path: list[Node] = []
         pos, ci, nc = 0, 0, len(cuts)
         while pos < end:
-            child = node.children.get(hashes[pos])
+            child = node.child(hashes[pos])
             if child is None:
                 break
             size = len(child.hashes)
@@ -99,7 +99,7 @@ class Forest:
             bounds = [pos, *rest, end]
             grow = (
                 node.parent is not None
-                and not node.children
+                and node.kids is None
                 and not node.mamba
                 and not state_at_pos  # a state goes at pos: the node must keep ending there
             )
@@ -110,7 +110,7 @@ class Forest:
                     grow = False
                     continue
                 child = Node(node, partition, a, list(hashes[a:b]))
-                node.children[hashes[a]] = child
+                node.add_child(child)
                 self.num_nodes += 1
                 path.append(child)
                 node = child
@@ -135,19 +135,19 @@ class Forest:
     def detach(self, x: Node) -> Node:
         """Unlink the leaf ``x``; return its former parent (an emptied root goes too)."""
         parent = x.parent
-        assert parent is not None and not x.children
-        del parent.children[x.hashes[0]]
+        assert parent is not None and x.kids is None
+        parent.drop_child(x)
         x.parent = None
         self.num_nodes -= 1
         self.doomed.discard(x)
-        if parent.parent is None and not parent.children:
+        if parent.parent is None and parent.kids is None:
             del self.roots[parent.partition]
         return parent
 
     def iter_nodes(self) -> Iterator[Node]:
         """Every non-root node, parents before children."""
-        stack = [c for r in self.roots.values() for c in r.children.values()]
+        stack = [c for r in self.roots.values() for c in r.child_nodes()]
         while stack:
             x = stack.pop()
             yield x
-            stack.extend(x.children.values())
+            stack.extend(x.child_nodes())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .eviction import kv_evictable, mamba_evictable, trimmable
+from .eviction import QUEUED, kv_evictable, mamba_evictable, trimmable
 from .node import ALL_TIERS, GPU, HOST, LOADABLE, NO_SLOT, PENDING, Node
 
 if TYPE_CHECKING:
@@ -35,22 +35,24 @@ def check_invariants(tree: HybridRadixTree) -> None:
     for key, root in forest.roots.items():
         _check(root.parent is None and not root.hashes, "root", root)
         _check(root.partition == key, "partition", (key, root.partition))
-        _check(bool(root.children), "no-empty-root", key)
+        _check(root.kids is not None, "no-empty-root", key)
         _check(root.kv_lock == 0 and root.mamba_lock == 0 and not root.mamba, "root", root)
-        stack: list[tuple[Node, Node, bool]] = [(c, root, True) for c in root.children.values()]
+        _check_kids(root)
+        stack: list[tuple[Node, Node, bool]] = [(c, root, True) for c in root.child_nodes()]
         while stack:
             x, p, prefix_live = stack.pop()
             nodes.append(x)
             _check(x.parent is p, "children-map", "child.parent is not its parent")
             _check(bool(x.hashes), "no-empty-node", x)
-            _check(p.children.get(x.hashes[0]) is x, "children-map", "stale child key")
+            _check(p.child(x.hashes[0]) is x, "children-map", "stale child key")
+            _check_kids(x)
             _check(x.start == p.start + len(p.hashes), "lengths", "start != parent end")
             _check(x.partition == p.partition, "partition", x)
             _check(len(x.flags) == len(x.hashes), "lengths", "flags")
             _check(x.slots is None or len(x.slots) == len(x.hashes), "lengths", "slots")
             _check_node(x, prefix_live)
             child_live = prefix_live and x.n_live == len(x.hashes)
-            stack.extend((c, x, child_live) for c in x.children.values())
+            stack.extend((c, x, child_live) for c in x.child_nodes())
     for x in forest.doomed:
         _check(x.parent is not None and x.held, "reset", f"doomed node not held/attached {x}")
     _check(len(nodes) == forest.num_nodes, "size-accounting", (len(nodes), forest.num_nodes))
@@ -58,6 +60,17 @@ def check_invariants(tree: HybridRadixTree) -> None:
     _check_lru(tree, nodes)
     _check_budget(tree, nodes)
     _check_locks(tree, nodes)
+
+
+def _check_kids(x: Node) -> None:
+    """``kids`` is None, the one child, or a dict of two or more keyed by first hash."""
+    k = x.kids
+    if isinstance(k, dict):
+        _check(len(k) >= 2, "children-map", "a dict of fewer than two children")
+        for h, c in k.items():
+            _check(isinstance(c, Node) and c.hashes[0] == h, "children-map", "child key")
+    else:
+        _check(k is None or isinstance(k, Node), "children-map", f"kids {type(k)}")
 
 
 def _check_node(x: Node, prefix_live: bool) -> None:
@@ -81,7 +94,7 @@ def _check_node(x: Node, prefix_live: bool) -> None:
     _check((x.mamba_slot != NO_SLOT) == bool(m & (HOST | PENDING)), "mamba-state", "slot vs bits")
     _check(not (x.tombstone and m & (HOST | PENDING)), "mamba-state", "tombstone holds a state")
     has_content = bool(x.n_live or m)
-    if not x.children:
+    if x.kids is None:
         _check(has_content or x.held, "pruning", f"empty unheld leaf {x}")
     if not x.held and has_content:
         # P: every block with a tier and the state at the end have a live prefix.
@@ -147,15 +160,34 @@ def _in_use(alloc: SlotAllocator, slot: int) -> bool:
 
 
 def _check_lru(tree: HybridRadixTree, nodes: list[Node]) -> None:
-    """Membership, recency order, and 'descendants before ancestors' (head is a host leaf)."""
+    """Membership, one heap entry per node no later than its stamp (so eviction reaches every
+    member in stamp order), distinct stamps, and 'descendants before ancestors'."""
     policy = tree.policy
+    seen: dict[tuple[str, int], int] = {}
+    for which, stamp, x in policy.lru_entries():
+        access = x.kv_access if which == "kv" else x.mamba_access
+        _check(access != 0, "lru-heap", f"{which} entry of a node marked as having none")
+        _check((which, id(x)) not in seen, "lru-heap", f"two {which} entries for one node")
+        seen[(which, id(x))] = stamp
+        _check(access < 0 or stamp <= access, "lru-heap", f"{which} entry after its stamp")
+    holders = {nid for _, nid in seen}
+    _check(len(holders) == policy.ids_in_use(), "lru-heap", "ids held by nodes without entries")
+    for x in nodes:
+        _check((x.lru_id >= 0) == (id(x) in holders), "lru-heap", f"lru_id {x.lru_id}")
+        for which, access in (("kv", x.kv_access), ("mamba", x.mamba_access)):
+            _check(access >= QUEUED, "lru-heap", f"{which} stamp {access}")
+            _check((access != 0) == ((which, id(x)) in seen), "lru-heap", f"{which} entry mark")
+    order = policy.kv_members()
     want_kv = {id(x) for x in nodes if kv_evictable(x)}
-    have_kv = [id(x) for x in policy.kv_lru]
+    have_kv = [id(x) for x in order]
     _check(set(have_kv) == want_kv, "lru-membership", "host KV LRU != evictable host nodes")
+    for x in nodes:
+        if x.kv_access > 0:
+            _check(id(x) in want_kv, "lru-membership", "a host KV stamp outside the LRU")
     pos = {nid: i for i, nid in enumerate(have_kv)}
     last = -1
-    for x in policy.kv_lru:
-        _check(x.kv_access > last, "lru-order", "host KV LRU not sorted by access time")
+    for x in order:
+        _check(x.kv_access > last, "lru-order", "host KV LRU stamps not distinct")
         last = x.kv_access
         a = x.parent
         while a is not None and id(a) not in pos:
@@ -163,10 +195,14 @@ def _check_lru(tree: HybridRadixTree, nodes: list[Node]) -> None:
         if a is not None:  # the nearest evictable ancestor (order is transitive)
             _check(pos[id(a)] > pos[id(x)], "leaf-set", "ancestor evictable before descendant")
     want_m = {id(x) for x in nodes if mamba_evictable(x)}
-    _check({id(x) for x in policy.mamba_lru} == want_m, "lru-membership", "host Mamba LRU")
+    morder = policy.mamba_members()
+    _check({id(x) for x in morder} == want_m, "lru-membership", "host Mamba LRU")
+    for x in nodes:
+        if x.mamba_access > 0:
+            _check(id(x) in want_m, "lru-membership", "a host Mamba stamp outside the LRU")
     last = -1
-    for x in policy.mamba_lru:
-        _check(x.mamba_access > last, "lru-order", "host Mamba LRU not sorted by access time")
+    for x in morder:
+        _check(x.mamba_access > last, "lru-order", "host Mamba LRU stamps not distinct")
         last = x.mamba_access
 
 

@@ -80,7 +80,7 @@ class Maintenance:
                     policy.sync_mamba(x)
                 if not kv_evictable(x):
                     policy.withdraw_kv(x)
-            stack.extend((c, 0) for c in x.children.values())
+            stack.extend((c, 0) for c in x.child_nodes())
         self.counters.kv_cascaded += freed
         for x in reversed(seen):
             self.prune(x)
@@ -90,7 +90,7 @@ class Maintenance:
         """Detach ``x`` and its ancestors while they are empty, unheld leaves; offer the
         node where that stops to the trim order (it may be a metadata leaf now)."""
         while (
-            x.parent is not None and not x.children and not x.n_live and not x.mamba and not x.held
+            x.parent is not None and x.kids is None and not x.n_live and not x.mamba and not x.held
         ):
             parent = self.forest.detach(x)
             self.policy.forget(x)

@@ -13,7 +13,7 @@ No vLLM import here: the tree is a pure data structure, testable on any machine.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Sequence, ValuesView
 from itertools import pairwise
 
 # Tier bits, used both for a block's KV (``Node.flags[i]``) and for the Mamba state at the
@@ -36,7 +36,7 @@ def _has(bit: int) -> bytes:
 _HAS_LOAD, _HAS_HOST, _HAS_PEND, _HAS_GPU = (_has(b) for b in (LOADABLE, HOST, PENDING, GPU))
 
 
-def common_prefix(a: list[bytes], b: Sequence[bytes], pos: int, k: int) -> int:
+def common_prefix(a: Sequence[bytes], b: Sequence[bytes], pos: int, k: int) -> int:
     """How many of ``a[:k]`` equal ``b[pos:pos+k]``, given ``a[0] == b[pos]``.
 
     vLLM chains block hashes (hash ``i`` covers blocks ``0..i``), so two runs that agree on
@@ -67,38 +67,51 @@ class Node:
     ancestors are locked too), ``mamba_lock`` counts loads reading the host Mamba state at
     this node's end (node only). In-flight stores are ``PENDING`` bits (``n_pend`` for KV,
     ``mamba & PENDING`` for the state). Recency stamps belong to the eviction policy:
-    ``kv_access`` / ``mamba_access`` order its two host LRUs, ``seen`` its metadata trim.
+    ``kv_access`` / ``mamba_access`` order its two lazy host LRUs (> 0: a member; see
+    ``eviction.py`` for the other values), ``seen`` orders its metadata trim.
+
+    ``kids`` is None (a leaf), the only child itself, or a dict first hash -> child once
+    there are two or more: most nodes are links of one conversation's chain, and a one-entry
+    dict per node cost more than the node's own blocks. Read it through ``child`` and
+    ``child_nodes`` (``kids is None``: a leaf); only ``add_child`` / ``drop_child`` change it.
     """
 
+    # What a match reads comes first: a node spans several cache lines, and at a million
+    # blocks the walk's cost is mostly the lines it touches.
     __slots__ = (
-        "parent",
-        "children",
-        "partition",
-        "start",
+        "kids",
         "hashes",
-        "flags",
-        "slots",
-        "n_live",
-        "n_load",
         "n_host",
-        "n_pend",
-        "n_gpu",
+        "n_load",
+        "slots",
         "mamba",
-        "mamba_slot",
-        "tombstone",
-        "kv_lock",
-        "mamba_lock",
-        "hits",
+        "parent",
         "kv_access",
+        "kv_lock",
+        "n_pend",
+        "flags",
+        "start",
+        "mamba_slot",
         "mamba_access",
+        "mamba_lock",
+        "n_live",
+        "n_gpu",
+        "partition",
+        "tombstone",
+        "hits",
         "seen",
+        "lru_id",
     )
 
     def __init__(
-        self, parent: Node | None, partition: Hashable, start: int, hashes: list[bytes]
+        self,
+        parent: Node | None,
+        partition: Hashable,
+        start: int,
+        hashes: list[bytes] | tuple[bytes, ...],
     ) -> None:
         self.parent = parent
-        self.children: dict[bytes, Node] = {}
+        self.kids: Node | dict[bytes, Node] | None = None
         self.partition = partition
         self.start = start
         self.hashes = hashes
@@ -113,6 +126,7 @@ class Node:
         self.hits = 0
         self.kv_access = 0
         self.mamba_access = 0
+        self.lru_id = -1  # the eviction policy's handle on it while it has heap entries
         self.seen = 0
 
     def __len__(self) -> int:
@@ -124,6 +138,47 @@ class Node:
     @property
     def end(self) -> int:
         return self.start + len(self.hashes)
+
+    def child(self, key: bytes) -> Node | None:
+        """The child whose first block hash is ``key``, or None."""
+        k = self.kids
+        if k is None:
+            return None
+        if k.__class__ is dict:
+            return k.get(key)  # type: ignore[union-attr]
+        return k if k.hashes[0] == key else None  # type: ignore[union-attr,return-value]
+
+    def child_nodes(self) -> Sequence[Node] | ValuesView[Node]:
+        """Every child, in the order they were added (as a dict would keep them)."""
+        k = self.kids
+        if k is None:
+            return ()
+        if k.__class__ is dict:
+            return k.values()  # type: ignore[union-attr]
+        return (k,)  # type: ignore[return-value]
+
+    def add_child(self, c: Node) -> None:
+        """Link ``c`` under its first hash (replacing the child that had it)."""
+        k, key = self.kids, c.hashes[0]
+        if k is None:
+            self.kids = c
+        elif k.__class__ is dict:
+            k[key] = c  # type: ignore[index]
+        elif k.hashes[0] == key:  # type: ignore[union-attr]
+            self.kids = c
+        else:
+            self.kids = {k.hashes[0]: k, key: c}  # type: ignore[union-attr,dict-item]
+
+    def drop_child(self, c: Node) -> None:
+        """Unlink the child ``c``."""
+        k = self.kids
+        if k is c:
+            self.kids = None
+            return
+        assert k.__class__ is dict, "not a child"
+        del k[c.hashes[0]]  # type: ignore[union-attr]
+        if len(k) == 1:  # type: ignore[arg-type]
+            self.kids = next(iter(k.values()))  # type: ignore[union-attr]
 
     @property
     def held(self) -> bool:
@@ -163,18 +218,27 @@ class Node:
 
     def extend(self, hashes: list[bytes]) -> None:
         """Append absent blocks to a stateless leaf (write-through grows one block at a time)."""
-        self.hashes.extend(hashes)
+        if self.hashes.__class__ is tuple:
+            self.hashes = list(self.hashes)
+        self.hashes.extend(hashes)  # type: ignore[union-attr]
         self.flags.extend(bytes(len(hashes)))
         if self.slots is not None:
             self.slots.extend([NO_SLOT] * len(hashes))
+
+    def seal(self) -> None:
+        """A state now ends here, so the node stops growing: keep its hashes as a tuple,
+        16 bytes less than a list (``extend`` turns it back into one if it ever grows)."""
+        if self.hashes.__class__ is list:
+            self.hashes = tuple(self.hashes)
 
     def split_at(self, cuts: Sequence[int]) -> list[Node]:
         """Cut before every index in ``cuts`` (ascending, each in ``(0, len)``) in one pass;
         return the new *heads*, top-down. ``self`` keeps the last piece.
 
         The tail keeps its identity, children, Mamba state, hit count and LRU entries, so
-        handles and LRU lists that point at it stay valid. Heads inherit ``kv_lock``: every
-        load or pin locking the tail locked its whole path, and the heads are on that path.
+        handles and LRU heaps that point at it stay valid; heads join no LRU until the call
+        settles them. Heads inherit ``kv_lock``: every load or pin locking the tail locked
+        its whole path, and the heads are on that path.
         One pass costs O(len) however many cuts: a state marked at every block of a long
         node must not copy the node's tail once per cut.
         """
@@ -186,16 +250,15 @@ class Node:
         bounds = [0, *cuts]
         for a, b in pairwise(bounds):
             assert a < b, "cuts must ascend"
-            head = Node(parent, self.partition, self.start + a, self.hashes[a:b])
+            head = Node(parent, self.partition, self.start + a, tuple(self.hashes[a:b]))
             head.flags = self.flags[a:b]
             if self.slots is not None:
                 head.slots = self.slots[a:b]
             head.recount()
             head.kv_lock = self.kv_lock
             head.hits = self.hits
-            head.kv_access = self.kv_access
             head.seen = self.seen
-            parent.children[head.hashes[0]] = head
+            parent.add_child(head)
             parent = head
             heads.append(head)
         last = cuts[-1]
@@ -205,6 +268,6 @@ class Node:
             self.slots = self.slots[last:]
         self.start += last
         self.recount()
-        parent.children[self.hashes[0]] = self
+        parent.add_child(self)
         self.parent = parent
         return heads

@@ -129,6 +129,7 @@ class Reservations:
         if from_device:
             fill_absent(node, len(node.hashes), GPU)
         node.mamba |= PENDING
+        node.seal()
         node.mamba_slot = slot
         node.tombstone = False
         self.forest.pending_mamba[slot] = node

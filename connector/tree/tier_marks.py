@@ -51,6 +51,7 @@ def mark_path(
                 x.set_flag(i, flags[i] | bit)
         if j < len(ends) and ends[j] == x.end:
             x.mamba |= bit
+            x.seal()
             x.tombstone = False
             j += 1
     assert j == len(ends), "ensure_path must end a node at every state boundary"
@@ -70,7 +71,7 @@ def clear_path(
     node, pos = forest.roots.get(partition), 0
     hole: tuple[Node, int] | None = None
     while node is not None and pos < end:
-        child = node.children.get(hashes[pos])
+        child = node.child(hashes[pos])
         if child is None:
             break
         k = common_prefix(child.hashes, hashes, pos, min(len(child.hashes), end - pos))

@@ -171,73 +171,85 @@ class HybridRadixTree:
         res = MatchResult(0, start_block, partition)
         doomed = self.forest.doomed
         node = self.forest.roots.get(partition)
-        walked: list[Node] = []  # the nodes matched whole, top-down
-        best = best_host = -1  # their indexes in ``walked``
-        boundaries = res.boundaries
-        pos, all_host = 0, True
-        while node is not None and pos < limit:
-            child = node.children.get(hashes[pos])
-            if child is None or (doomed and child in doomed):
-                break
-            ch = child.hashes
-            size = k = len(ch)
-            if k > limit - pos:
-                k = limit - pos
-            if ch[k - 1] != hashes[pos + k - 1]:  # chained hashes: the last one decides
-                k = common_prefix(ch, hashes, pos, k)
-            lo = start_block - pos
-            if lo < k:
-                if child.n_load != size:
-                    i, flags = max(lo, 0), child.flags
-                    while i < k and flags[i] & LOADABLE:
-                        i += 1
-                    if i < k:
-                        break
-                if all_host and child.n_host != size:
-                    all_host = all(f & HOST for f in child.flags[max(lo, 0) : k])
-            if k < size:
-                break
-            pos += size
-            node = child
-            walked.append(child)
-            m = child.mamba
-            if m & LOADABLE and pos > start_block:
-                on_host = bool(m & HOST)
-                boundaries.append((pos, on_host))
-                best = len(walked) - 1
-                if all_host and on_host:
-                    best_host = best
-        if best < 0:
+        if node is None:
             self.counters.misses += 1
             return res
+        # One walk: each node matched whole adds its slots to the plan as it goes, and the
+        # plan is cut back to the deepest boundary with a state when the walk stops.
+        hit: Node | None = None
+        host_hit: Node | None = None
+        hit_end = host_end = 0
+        kv, storage, boundaries = res.kv_slots, res.storage_blocks, res.boundaries
+        pos, all_host, dict_ = 0, True, dict
+        while pos < limit:
+            kids = node.kids
+            if kids is None:
+                break
+            h = hashes[pos]
+            if kids.__class__ is dict_:
+                child = kids.get(h)  # type: ignore[union-attr]
+                if child is None:
+                    break
+            elif kids.hashes[0] == h:  # type: ignore[union-attr]
+                child = kids  # type: ignore[assignment]
+            else:
+                break
+            if doomed and child in doomed:
+                break
+            ch = child.hashes
+            size = len(ch)
+            if size > limit - pos or ch[-1] != hashes[pos + size - 1]:
+                break  # the query ends or leaves this path inside the node (chained hashes)
+            lo = start_block - pos
+            if lo < size:  # not all of it is vLLM's own GPU hit
+                first = lo if lo > 0 else 0
+                slots = child.slots
+                if child.n_host == size:  # all on host: the slots as they are, in C
+                    kv.extend(slots if first == 0 else slots[first:])  # type: ignore[arg-type]
+                else:
+                    flags = child.flags
+                    if child.n_load != size:
+                        i = first
+                        while i < size and flags[i] & LOADABLE:
+                            i += 1
+                        if i < size:
+                            break
+                    if all_host:
+                        all_host = all(f & HOST for f in flags[first:])
+                    start = child.start
+                    for i in range(first, size):
+                        if flags[i] & HOST:
+                            kv.append(slots[i])  # type: ignore[index]
+                        else:
+                            kv.append(NO_SLOT)
+                            storage.append(start + i)
+            pos += size
+            node = child
+            m = child.mamba
+            if m & LOADABLE and pos > start_block:
+                on_host = m & HOST != 0
+                boundaries.append((pos, on_host))
+                hit, hit_end = child, pos
+                if all_host and on_host:
+                    host_hit, host_end = child, pos
+        if hit is None:
+            kv.clear()
+            storage.clear()
+            self.counters.misses += 1
+            return res
+        # ``kv`` holds one slot per block from ``start_block`` on: cut it back to the hit.
+        del kv[hit_end - max(start_block, 0) :]
+        while storage and storage[-1] >= hit_end:
+            storage.pop()
         self.counters.hits += 1
-        hit = walked[best]
-        res.num_blocks, res._node = boundaries[-1][0], hit
-        if best_host >= 0:
-            host_hit = walked[best_host]
-            res.host_num_blocks, res._host_node = host_hit.end, host_hit
+        res.num_blocks, res._node = hit_end, hit
+        if host_hit is not None:
+            res.host_num_blocks, res._host_node = host_end, host_hit
         if hit.mamba & HOST:
             res.mamba_slot = hit.mamba_slot
             self.policy.sync_mamba(hit, touch=True)
         else:
             res.mamba_in_storage = True
-        kv, storage = res.kv_slots, res.storage_blocks
-        for x in walked[: best + 1]:
-            first, n = start_block - x.start, len(x.hashes)
-            if first >= n:
-                continue  # vLLM's own GPU hit
-            first = max(first, 0)
-            slots = x.slots
-            if x.n_host == n:  # all on host: the slots as they are, in C
-                kv.extend(slots if first == 0 else slots[first:])  # type: ignore[arg-type]
-                continue
-            flags, start = x.flags, x.start
-            for i in range(first, n):
-                if flags[i] & HOST:
-                    kv.append(slots[i])  # type: ignore[index]
-                else:
-                    kv.append(NO_SLOT)
-                    storage.append(start + i)
         self.policy.touch_path(hit)
         return res
 
@@ -246,7 +258,7 @@ class HybridRadixTree:
         point where this request leaves every path seen before (its junction)."""
         node, pos = self.forest.roots.get(partition), 0
         while node is not None and pos < len(hashes):
-            child = node.children.get(hashes[pos])
+            child = node.child(hashes[pos])
             if child is None:
                 break
             k = min(len(child.hashes), len(hashes) - pos)
@@ -429,7 +441,7 @@ class HybridRadixTree:
         held nodes stop matching and go when released, so in-flight loads and stores stay
         safe and nothing cached before the reset is ever served after it."""
         for root in list(self.forest.roots.values()):
-            for child in list(root.children.values()):
+            for child in list(root.child_nodes()):
                 if child.parent is not None:
                     self.maint.kill_from(child, 0)
         self.forest.doomed.update(x for x in self.forest.iter_nodes() if x.held)
