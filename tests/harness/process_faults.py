@@ -12,9 +12,13 @@ produces on demand.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import json
 import os
+import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 ENV = "HIMAMBA_TEST_FAULTS"
@@ -31,28 +35,55 @@ def hide_modules(names: list[str]) -> Faults:
     return {"hide_modules": {"names": list(names)}}
 
 
+def _after_import(module_name: str, patch: Callable[[ModuleType], None]) -> None:
+    """Run ``patch(module)`` right after ``module_name`` is first imported. Importing it here,
+    at interpreter start, would load torch before vLLM configures its threads (a CPU engine
+    then runs ~10x slower); its spec is found now, so a wrong name still fails at start."""
+    if module_name in sys.modules:
+        patch(sys.modules[module_name])
+        return
+    if importlib.util.find_spec(module_name) is None:
+        raise ModuleNotFoundError(f"fault target {module_name!r} does not exist")
+
+    class PatchOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+            if fullname != module_name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            assert spec is not None and spec.loader is not None
+            run = spec.loader.exec_module
+
+            def exec_and_patch(module: ModuleType) -> None:
+                run(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, PatchOnImport())
+
+
 def _apply_delay_acks(rank: int, steps: int) -> None:
-    from himamba.connector.worker import worker_storage
+    def patch(worker_storage: ModuleType) -> None:
+        original = worker_storage.WorkerStorage.take_acks
 
-    original = worker_storage.WorkerStorage.take_acks
+        def take_acks(self: Any) -> list[Any]:
+            held = self.__dict__.setdefault("_held_acks", [])
+            fresh = original(self)
+            if self.rank != rank:
+                return fresh
+            held.extend([steps, ack] for ack in fresh)
+            due = [ack for left, ack in held if left <= 0]
+            self.__dict__["_held_acks"] = [[left - 1, ack] for left, ack in held if left > 0]
+            return due
 
-    def take_acks(self: worker_storage.WorkerStorage) -> list[Any]:
-        held = self.__dict__.setdefault("_held_acks", [])
-        fresh = original(self)
-        if self.rank != rank:
-            return fresh
-        held.extend([steps, ack] for ack in fresh)
-        due = [ack for left, ack in held if left <= 0]
-        self.__dict__["_held_acks"] = [[left - 1, ack] for left, ack in held if left > 0]
-        return due
+        worker_storage.WorkerStorage.take_acks = take_acks
 
-    worker_storage.WorkerStorage.take_acks = take_acks  # type: ignore[method-assign]
+    _after_import("himamba.connector.worker.worker_storage", patch)
 
 
 def _apply_hide_modules(names: list[str]) -> None:
-    import importlib.abc
-    import sys
-
     class Hidden(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
             if fullname.split(".")[0] in names:
