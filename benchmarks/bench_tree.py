@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 from himamba.connector.tree import HybridRadixTree
+from tests.unit.tree.tree_helpers import evict_host, evict_host_mamba
 
 SYS_BLOCKS, TURN_BLOCKS, MAX_TURNS = 16, 4, 8
 
@@ -160,10 +161,10 @@ def main() -> None:
     ev, evm = [], []
     for _ in range(1000):
         t = clock()
-        tree.evict_host(TURN_BLOCKS)
+        evict_host(tree, TURN_BLOCKS)
         ev.append(clock() - t)
         t = clock()
-        tree.evict_host_mamba(1)
+        evict_host_mamba(tree, 1)
         evm.append(clock() - t)
     res["evict_p50_us"] = round(pct(ev, 0.5), 2)
     res["evict_mamba_p50_us"] = round(pct(evm, 0.5), 2)

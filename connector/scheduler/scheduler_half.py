@@ -202,10 +202,9 @@ class SchedulerHalf:
         selective = storage is not None and storage.cfg.write_policy.writes_popular
         if first_use and selective:
             # Written while this hit's lock keeps the slots: popular prefixes reach storage.
-            for is_state, slot, h in self.tree.hot_objects(result, storage.cfg.write_threshold):
-                kind = ObjectKind.MAMBA if is_state else ObjectKind.KV
-                tag = self.lora.tag(request.lora_request)
-                self._writes.append(StorageWrite(kind, slot, h, tag))
+            tag = self.lora.tag(request.lora_request)
+            for obj in self.tree.hot_objects(result, storage.cfg.write_threshold):
+                self._writes.append(StorageWrite(obj.kind, obj.slot, obj.block_hash, tag))
         return tokens, True
 
     def after_alloc(

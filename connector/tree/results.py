@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from himamba.tiers.object_format import ObjectKind
+
 from .node import NO_SLOT, Node
 
 
@@ -49,3 +51,13 @@ class LockHandle:
     mamba_node: Node | None
     pinned: bool = False
     released: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HotObject:
+    """A host object selective write-through sends to storage: its kind, host slot and key
+    hash (a state's is its boundary block's)."""
+
+    kind: ObjectKind
+    slot: int
+    block_hash: bytes

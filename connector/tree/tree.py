@@ -47,10 +47,12 @@ from .counters import TreeCounters
 from .eviction import EvictionPolicy
 from .forest import Forest
 from .host_eviction import HostEviction, WriteBack
+from .lookups import hot_objects as popular_objects
+from .lookups import known_depth
 from .maintenance import Maintenance
-from .node import GPU, HOST, LOADABLE, NO_SLOT, STORAGE, Node, common_prefix
+from .node import GPU, HOST, LOADABLE, NO_SLOT, STORAGE, Node
 from .reservations import Reservations
-from .results import LockHandle, MatchResult
+from .results import HotObject, LockHandle, MatchResult
 from .slot_allocator import SlotAllocator
 from .tier_marks import clear_path, mark_path
 
@@ -256,43 +258,12 @@ class HybridRadixTree:
     def depth(self, hashes: Sequence[bytes], partition: Hashable) -> int:
         """How many leading blocks of ``hashes`` the tree knows, in any tier or none: the
         point where this request leaves every path seen before (its junction)."""
-        node, pos = self.forest.roots.get(partition), 0
-        while node is not None and pos < len(hashes):
-            child = node.child(hashes[pos])
-            if child is None:
-                break
-            k = min(len(child.hashes), len(hashes) - pos)
-            m = common_prefix(child.hashes, hashes, pos, k)
-            pos += m
-            if m < len(child.hashes):
-                break
-            node = child
-        return pos
+        return known_depth(self.forest, hashes, partition)
 
-    def hot_objects(self, result: MatchResult, threshold: int) -> list[tuple[bool, int, bytes]]:
-        """Host blocks and the host state of a locked host hit that loads have used at least
-        ``threshold`` times (this one included) and storage does not hold: ``(is_state, slot, hash)`` each,
-        now marked as in storage (the caller writes them while the hit's lock protects the
-        slots). Selective write-through: only what proved popular costs storage traffic."""
-        node = result._host_node
-        out: list[tuple[bool, int, bytes]] = []
-        if node is None:
-            return out
-        if node.hits >= threshold and node.mamba & HOST and not node.mamba & STORAGE:
-            node.mamba |= STORAGE
-            out.append((True, node.mamba_slot, node.hashes[-1]))
-        x: Node = node
-        while x.parent is not None and x.end > result.start_block:
-            if x.hits >= threshold and x.n_host:
-                flags, slots = x.flags, x.slots
-                assert slots is not None
-                for i in range(max(result.start_block - x.start, 0), len(flags)):
-                    f = flags[i]
-                    if f & HOST and not f & STORAGE:
-                        x.set_flag(i, f | STORAGE)
-                        out.append((False, slots[i], x.hashes[i]))
-            x = x.parent
-        return out
+    def hot_objects(self, result: MatchResult, threshold: int) -> list[HotObject]:
+        """Host objects of a locked host hit that loads used at least ``threshold`` times and
+        storage does not hold, now marked as in storage (``lookups.hot_objects``)."""
+        return popular_objects(result, threshold)
 
     # ------------------------------------------------------------------ loads and pins
     def lock(
@@ -408,20 +379,6 @@ class HybridRadixTree:
         self._finish()
 
     # ------------------------------------------------------------------ eviction
-    def evict_host(self, num_blocks: int) -> int:
-        """Free ``num_blocks`` host KV slots, one block at a time from the end of the LRU
-        host leaf; returns how many were freed (fewer only if nothing else is evictable).
-        Written-back blocks count, though their slots wait in quarantine for ``seal_plan``."""
-        freed = self.evictor.evict_kv(num_blocks)
-        self._finish()
-        return freed
-
-    def evict_host_mamba(self, num_states: int) -> int:
-        """Free up to ``num_states`` LRU host Mamba states, leaving tombstones."""
-        freed = self.evictor.evict_states(num_states)
-        self._finish()
-        return freed
-
     def drop_state(self, hashes: Sequence[bytes], partition: Hashable, num_blocks: int) -> bool:
         """Free the host Mamba state at boundary ``num_blocks`` now (a request's newer decode
         state replaces its older one); False if there is none or a load holds it."""

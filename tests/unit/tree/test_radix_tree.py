@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from himamba.connector.tree import GPU, NO_SLOT, HybridRadixTree, check_invariants
-from tests.unit.tree.tree_helpers import chain, evict_device, hit_count, store
+from tests.unit.tree.tree_helpers import (
+    chain,
+    evict_device,
+    evict_host,
+    evict_host_mamba,
+    hit_count,
+    store,
+)
 
 
 def test_match_returns_deepest_boundary_with_both_kv_and_state() -> None:
@@ -81,13 +88,13 @@ def test_locked_hit_survives_eviction_pressure_and_is_freed_after_unlock() -> No
     res = tree.match(h)
     handle = tree.lock(res)
     assert handle is not None
-    assert tree.evict_host(4) == 0 and tree.evict_host_mamba(1) == 0
+    assert evict_host(tree, 4) == 0 and evict_host_mamba(tree, 1) == 0
     assert tree.reserve_kv(chain("zz"), None, 0) is None  # degrade, never crash
     assert tree.reserve_mamba(chain("zz"), None, 1) is None
     assert tree.stats()["alloc_failures"] == 2
     check_invariants(tree)
     tree.unlock(handle)
-    assert tree.evict_host(4) == 4
+    assert evict_host(tree, 4) == 4
     # the KV of the whole prefix is gone from every tier: the state below it goes with it
     assert tree.stats()["host_mamba_used"] == 0 and tree.stats()["nodes"] == 0
     check_invariants(tree)
@@ -100,7 +107,7 @@ def test_state_whose_prefix_died_while_locked_is_dropped_at_unlock() -> None:
     res = tree.match(h, start_block=2)
     handle = tree.lock(res)
     evict_device(tree, h, None, 0, 2)  # blocks 0,1 keep their host copy: still alive
-    tree.evict_host(8)  # "ab" is not locked by a load starting at 2? it is: path lock
+    evict_host(tree, 8)  # "ab" is not locked by a load starting at 2? it is: path lock
     check_invariants(tree)
     assert tree.match(h, start_block=2).num_blocks == 4
     tree.unlock(handle)
@@ -116,7 +123,7 @@ def test_cascade_drops_unlocked_states_below_but_keeps_locked_ones() -> None:
     evict_device(tree, b, None)
     handle = tree.lock(tree.match(b))
     tree.evict_storage(a, None)  # no-op tier, nothing changes
-    tree.evict_host(16)
+    evict_host(tree, 16)
     assert tree.match(a).num_blocks == 0  # "pab" evicted, its state cascaded
     assert tree.stats()["host_mamba_used"] == 1  # only the locked one remains
     check_invariants(tree)
@@ -129,7 +136,7 @@ def test_evicting_host_mamba_leaves_a_tombstone_and_keeps_kv() -> None:
     h = chain("abcd")
     store(tree, h, states=(2, 4))
     tree.match(h)  # consumes the state at 4: it becomes MRU, the one at 2 stays LRU
-    assert tree.evict_host_mamba(1) == 1
+    assert evict_host_mamba(tree, 1) == 1
     assert tree.match(h, max_blocks=2).num_blocks == 0  # state at 2 evicted first
     assert tree.match(h).num_blocks == 4
     assert tree.stats()["host_kv_used"] == 4
@@ -141,7 +148,7 @@ def test_match_refreshes_only_the_consumed_mamba_state() -> None:
     h = chain("abcdef")
     store(tree, h, states=(2, 4, 6))
     tree.match(h, max_blocks=4)  # consumes 4 only; 2 is not refreshed (#31643)
-    tree.evict_host_mamba(1)
+    evict_host_mamba(tree, 1)
     assert tree.match(h, max_blocks=2).num_blocks == 0
     assert tree.match(h, max_blocks=4).num_blocks == 4
 
@@ -206,7 +213,7 @@ def test_split_of_a_locked_node_keeps_the_lock_on_both_halves() -> None:
     handle = tree.lock(tree.match(h))
     store(tree, chain("abzz"), states=(2,))  # splits the locked node after "ab"
     evict_device(tree, h, None)
-    assert tree.evict_host(8) >= 2  # only the unlocked "zz" branch may go
+    assert evict_host(tree, 8) >= 2  # only the unlocked "zz" branch may go
     assert tree.match(h).num_blocks == 4
     tree.unlock(handle)
     check_invariants(tree)

@@ -34,7 +34,7 @@ from himamba.connector.tree import (
 )
 from himamba.connector.tree.eviction import kv_evictable
 from himamba.connector.tree.node import Node
-from tests.unit.tree.tree_helpers import evict_device
+from tests.unit.tree.tree_helpers import evict_device, evict_host, evict_host_mamba
 
 KV_SLOTS, MAMBA_SLOTS, MAX_LEN = 12, 5, 6
 STEPS = {"n": 0}
@@ -267,13 +267,13 @@ class TreeMachine(RuleBasedStateMachine):
         tree = self.tree
         evictable = sum(x.n_host for x in tree.iter_nodes() if kv_evictable(x))
         used = tree.stats()["host_kv_used"]
-        freed = tree.evict_host(n)
+        freed = evict_host(tree, n)
         assert freed == min(n, evictable), (freed, n, evictable)
         assert used - tree.stats()["host_kv_used"] == freed
 
     @rule(n=st.integers(1, 2))
     def evict_host_mamba(self, n) -> None:
-        self.tree.evict_host_mamba(n)
+        evict_host_mamba(self.tree, n)
 
     @rule(req=requests, n=st.integers(1, MAX_LEN), m=st.booleans())
     def mark_device(self, req, n, m) -> None:

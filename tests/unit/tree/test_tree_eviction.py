@@ -4,7 +4,7 @@ least recently used conversation, and metadata-only nodes beyond the node budget
 from __future__ import annotations
 
 from himamba.connector.tree import NO_SLOT, HybridRadixTree, check_invariants
-from tests.unit.tree.tree_helpers import chain, evict_device, host_blocks, store
+from tests.unit.tree.tree_helpers import chain, evict_device, evict_host, host_blocks, store
 
 
 def host_only(tree: HybridRadixTree, *convs: list[bytes]) -> None:
@@ -55,8 +55,8 @@ def test_a_partially_evicted_conversation_stays_first_in_line() -> None:
     store(tree, older, states=(2, 6))
     store(tree, newer, states=(6,))
     host_only(tree, older, newer)
-    assert tree.evict_host(1) == 1  # block 5 of the older conversation
-    assert tree.evict_host(2) == 2  # blocks 4, 3: it is still the least recently used
+    assert evict_host(tree, 1) == 1  # block 5 of the older conversation
+    assert evict_host(tree, 2) == 2  # blocks 4, 3: it is still the least recently used
     assert tree.match(newer).host_num_blocks == 6  # untouched
     assert tree.match(older).num_blocks == 2  # its first turn survives
     assert tree.stats()["host_kv_used"] == 9
@@ -69,10 +69,10 @@ def test_evict_host_frees_exactly_what_is_asked_across_conversations() -> None:
     store(tree, a, states=(4,))
     store(tree, b, states=(4,))
     host_only(tree, a, b)
-    assert tree.evict_host(6) == 6  # all of a, then the last two blocks of b
+    assert evict_host(tree, 6) == 6  # all of a, then the last two blocks of b
     assert tree.stats()["host_kv_used"] == 2
     assert tree.match(a).num_blocks == 0 and tree.match(b).num_blocks == 0
-    assert tree.evict_host(5) == 2  # only what is left
+    assert evict_host(tree, 5) == 2  # only what is left
     assert tree.stats()["nodes"] == 0
     check_invariants(tree)
 

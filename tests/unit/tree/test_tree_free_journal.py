@@ -4,7 +4,7 @@ freed or quarantined, by any path of the tree, is journaled once, and ``take_fre
 from __future__ import annotations
 
 from himamba.connector.tree import HybridRadixTree, check_invariants
-from tests.unit.tree.tree_helpers import chain, evict_device, store
+from tests.unit.tree.tree_helpers import chain, evict_device, evict_host, evict_host_mamba, store
 
 
 def _journaled_tree(kv: int = 8, mamba: int = 4) -> HybridRadixTree:
@@ -48,10 +48,10 @@ def test_lru_eviction_of_blocks_and_states_is_journaled() -> None:
     state_at_4 = tree.match(h).mamba_slot
     assert tree.take_freed() == ([], [])
     # Block 3 had only its host copy: the state at 4 dies with it (invariant P).
-    assert tree.evict_host(1) == 1
+    assert evict_host(tree, 1) == 1
     assert tree.take_freed() == ([kv[3]], [state_at_4])
     state_at_2 = tree.match(h).mamba_slot
-    assert tree.evict_host_mamba(1) == 1
+    assert evict_host_mamba(tree, 1) == 1
     assert tree.take_freed() == ([], [state_at_2])
     assert tree.take_freed() == ([], [])  # drained
     check_invariants(tree)
@@ -95,7 +95,7 @@ def test_a_quarantined_slot_is_journaled_once_when_quarantined() -> None:
     store(tree, h)
     evict_device(tree, h, None)
     kv = _kv_slots(tree, h)
-    assert tree.evict_host(1) == 1
+    assert evict_host(tree, 1) == 1
     assert tree.take_freed() == ([kv[1]], [])
     tree.seal_plan()  # now allocatable: the worker already heard of it
     assert tree.take_freed() == ([], [])

@@ -8,6 +8,7 @@ import hashlib
 import random
 
 from himamba.connector.tree import HOST, HybridRadixTree, check_invariants
+from tests.unit.tree.tree_helpers import evict_host, evict_host_mamba
 
 
 def _conv(tag: bytes, n: int) -> list[bytes]:
@@ -53,9 +54,9 @@ def test_hit_makes_its_conversation_the_last_host_eviction_victim() -> None:
     for hs in (a, b, c):
         _store(tree, hs, (4,))
     assert tree.match(a).num_blocks == 4  # a was the oldest; now the most recent
-    assert tree.evict_host(4) == 4
+    assert evict_host(tree, 4) == 4
     assert _on_host(tree, b) == [] and _on_host(tree, c) == [0, 1, 2, 3]
-    assert tree.evict_host(4) == 4
+    assert evict_host(tree, 4) == 4
     assert _on_host(tree, c) == [] and _on_host(tree, a) == [0, 1, 2, 3]
     check_invariants(tree)
 
@@ -65,9 +66,9 @@ def test_eviction_takes_the_touched_leaf_end_before_its_ancestor() -> None:
     hs = _conv(b"x", 8)
     _store(tree, hs, (4, 8))  # two nodes: [0, 4) and [4, 8)
     tree.match(hs)  # stamps the leaf, then its parent (the parent is more recent)
-    assert tree.evict_host(1) == 1
+    assert evict_host(tree, 1) == 1
     assert _on_host(tree, hs) == [0, 1, 2, 3, 4, 5, 6]
-    assert tree.evict_host(3) == 3
+    assert evict_host(tree, 3) == 3
     assert _on_host(tree, hs) == [0, 1, 2, 3]
     check_invariants(tree)
 
@@ -79,12 +80,12 @@ def test_locked_path_is_skipped_and_rejoins_as_most_recent_when_unlocked() -> No
         _store(tree, hs, (4,))
     handle = tree.lock(tree.match(a))
     assert handle is not None
-    assert tree.evict_host(8) == 4  # only b: a's host KV is locked
+    assert evict_host(tree, 8) == 4  # only b: a's host KV is locked
     assert _on_host(tree, a) == [0, 1, 2, 3]
     _store(tree, c, (4,))
     tree.unlock(handle)  # a rejoins the LRU as its most recent member
     check_invariants(tree)
-    assert tree.evict_host(4) == 4
+    assert evict_host(tree, 4) == 4
     assert _on_host(tree, c) == [] and _on_host(tree, a) == [0, 1, 2, 3]
     check_invariants(tree)
 
@@ -99,7 +100,7 @@ def test_lru_heaps_stay_bounded_under_hits_and_churn() -> None:
         _store(tree, hs, (2, 4))  # evicts older conversations once the pool is full
         for q in rng.sample(convs, min(5, len(convs))):
             tree.match(q)
-        tree.evict_host_mamba(rng.randint(0, 1))
+        evict_host_mamba(tree, rng.randint(0, 1))
         entries = sum(1 for _ in tree.policy.lru_entries())
         assert entries <= 4 * max(tree.num_nodes, 1) + 2 * 1024 + 2, (n, entries)
         if n % 100 == 0:

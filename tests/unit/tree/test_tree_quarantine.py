@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from himamba.connector.tree import HybridRadixTree, check_invariants
 from himamba.connector.tree.host_eviction import MAX_VICTIMS_PER_ALLOC
-from tests.unit.tree.tree_helpers import chain, evict_device, store
+from tests.unit.tree.tree_helpers import chain, evict_device, evict_host, store
 
 
 def _host_only(tree: HybridRadixTree, hashes: list[bytes]) -> None:
@@ -129,7 +129,7 @@ def test_reset_and_cascades_leave_quarantined_slots_until_the_seal() -> None:
     tree.write_back = lambda is_state, slot, h, part: True
     conv = chain("abcd")
     _host_only(tree, conv)
-    assert tree.evict_host(2) == 2  # written back: quarantined, counted as freed
+    assert evict_host(tree, 2) == 2  # written back: quarantined, counted as freed
     tree.reset()  # frees the rest now; the plan's worker may still read the quarantined two
     assert tree.stats()["host_kv_quarantined"] == 2 and tree.stats()["host_kv_free"] == 2
     _conserved(tree)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from himamba.connector.tree import NO_SLOT, HybridRadixTree, check_invariants
-from tests.unit.tree.tree_helpers import chain, evict_device, store
+from tests.unit.tree.tree_helpers import chain, evict_device, evict_host, evict_host_mamba, store
 
 
 # ---------------------------------------------------------------- probe answers
@@ -91,7 +91,7 @@ def test_probe_answer_cutting_several_host_nodes_keeps_all_pieces_evictable() ->
     tree.mark_storage(h, None, 6, state_ends=[1, 4])  # cuts inside both host nodes
     check_invariants(tree)  # every new piece holds host KV: each is in the host LRU
     assert tree.match(h).boundaries == [(1, False), (3, True), (4, False), (6, True)]
-    assert tree.evict_host(6) == 6
+    assert evict_host(tree, 6) == 6
     res = tree.match(h)  # storage still holds every block: the states stay reachable
     assert res.num_blocks == 6 and res.host_num_blocks == 0
     assert res.storage_blocks == list(range(6)) and res.mamba_slot != NO_SLOT
@@ -171,12 +171,12 @@ def test_pin_covers_the_node_of_the_last_block_and_its_ancestors_only() -> None:
     evict_device(tree, branch, None)
     pin = tree.pin(trunk, None, 5)  # block 4 lives in the node "def": it and "abc" are pinned
     assert pin.mamba_node is None  # no state ends at 5
-    assert tree.evict_host(16) == 3  # only the unpinned branch "xyz" could go
+    assert evict_host(tree, 16) == 3  # only the unpinned branch "xyz" could go
     assert tree.match(trunk).host_num_blocks == 6
     tree.unlock(pin)
     state_pin = tree.pin(trunk, None, 6)  # a host state right at the boundary is kept too
     assert state_pin.mamba_node is not None
-    assert tree.evict_host_mamba(8) == 1  # the state at 3 only
+    assert evict_host_mamba(tree, 8) == 1  # the state at 3 only
     assert tree.match(trunk).mamba_slot != NO_SLOT
     tree.unlock(state_pin)
     check_invariants(tree)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from himamba.connector.tree import HybridRadixTree, check_invariants
 from himamba.mamba_state.state_budget import StateBudget
+from himamba.tiers.object_format import ObjectKind
 from tests.unit.tree.tree_helpers import chain, store
 
 
@@ -46,7 +47,7 @@ def test_hot_objects_are_the_host_hit_walked_often_enough_and_only_once() -> Non
     second = tree.match(h)
     handle = tree.lock(second, host_only=True)
     hot = tree.hot_objects(second, 2)
-    assert sorted(is_state for is_state, _, _ in hot) == [False] * 4 + [True]
+    assert sorted(o.kind for o in hot) == [ObjectKind.KV] * 4 + [ObjectKind.MAMBA]
     tree.unlock(handle)
     third = tree.match(h)
     handle = tree.lock(third, host_only=True)

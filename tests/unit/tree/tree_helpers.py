@@ -27,6 +27,21 @@ def evict_device(
     tree._finish()  # every public call of the tree ends with it (invariants P and B)
 
 
+def evict_host(tree: HybridRadixTree, num_blocks: int) -> int:
+    """Free ``num_blocks`` host KV slots as a store short of slots would (the LRU host leaf's
+    end first); returns how many were freed."""
+    freed = tree.evictor.evict_kv(num_blocks)
+    tree._finish()
+    return freed
+
+
+def evict_host_mamba(tree: HybridRadixTree, num_states: int) -> int:
+    """Free up to ``num_states`` LRU host Mamba states (leaving tombstones)."""
+    freed = tree.evictor.evict_states(num_states)
+    tree._finish()
+    return freed
+
+
 def hit_count(
     tree: HybridRadixTree, hashes: Sequence[bytes], partition: Hashable, block_index: int
 ) -> int:
