@@ -137,17 +137,16 @@ class SchedulerStats:
     def _read(self) -> tuple[int, ...]:
         half = self.half
         c, t, tree = half.counters, half.tree.counters, half.tree
-        hits, from_storage = c.get("hit_tokens", 0), c.get("hit_tokens_storage", 0)
         return (
-            hits - from_storage,
-            from_storage,
-            c.get("kv_blocks_stored", 0),
-            c.get("mamba_states_stored", 0),
-            t["kv_evicted"] + t["kv_cascaded"],
-            t["mamba_evicted"] + t["mamba_cascaded"],
-            c.get("loads_failed", 0),
-            c.get("storage_fetched", 0),
-            c.get("storage_fetch_failed", 0),
+            c.hit_tokens - c.hit_tokens_storage,
+            c.hit_tokens_storage,
+            c.kv_blocks_stored,
+            c.mamba_states_stored,
+            t.kv_evicted + t.kv_cascaded,
+            t.mamba_evicted + t.mamba_cascaded,
+            c.loads_failed,
+            c.storage_fetched,
+            c.storage_fetch_failed,
             tree.kv_slots.num_used,
             tree.mamba_slots.num_used,
         )

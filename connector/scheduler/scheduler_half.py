@@ -377,8 +377,9 @@ class SchedulerHalf:
     def stats(self) -> dict[str, int]:
         tree = self.tree.stats()
         out = {**self.counters.as_dict(), **tree}
-        out["host_kv_evictions"] = tree.get("kv_evicted", 0) + tree.get("kv_cascaded", 0)
-        out["host_mamba_evictions"] = tree.get("mamba_evicted", 0) + tree.get("mamba_cascaded", 0)
+        t = self.tree.counters
+        out["host_kv_evictions"] = t.kv_evicted + t.kv_cascaded
+        out["host_mamba_evictions"] = t.mamba_evicted + t.mamba_cascaded
         if self.storage is not None:
             out.update(self.storage.pending())
             ledger = self.storage.ledger.counters.as_dict()
