@@ -30,7 +30,7 @@ for key, value in {
     os.environ.setdefault(key, value)
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))  # the tiny model recipe lives in the test harness
 
 
 def main() -> int:
@@ -42,9 +42,10 @@ def main() -> int:
     args = parser.parse_args()
     storage_url = args.storage or f"file://{tempfile.mkdtemp(prefix='himamba-demo-')}"
 
-    from tiny_models import build_granite_hybrid
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
+    from tests.harness.tiny_models import build_granite_hybrid
 
     model = build_granite_hybrid()
     llm = LLM(
