@@ -188,29 +188,27 @@ class EvictionPolicy:
     def _compact_lru(self) -> None:
         """Drop the entries of nodes that are no LRU member (left the tree, or evictable no
         more): each node keeps at most one entry per heap, so the heaps stay O(members)."""
-        by_id, dropped = self._by_id, []
-        kv = []
-        for e in self._kv_heap:
-            x = by_id[e & _ID_MASK]
-            if x.kv_access > 0 and x.parent is not None:  # type: ignore[union-attr]
-                kv.append(e)
-            else:
-                x.kv_access = 0  # type: ignore[union-attr]
-                dropped.append(x)
-        mamba = []
-        for e in self._mamba_heap:
-            x = by_id[e & _ID_MASK]
-            if x.mamba_access > 0 and x.parent is not None:  # type: ignore[union-attr]
-                mamba.append(e)
-            else:
-                x.mamba_access = 0  # type: ignore[union-attr]
-                dropped.append(x)
-        heapify(kv)
-        heapify(mamba)
+        dropped: list[Node] = []
+        kv = self._members_of(self._kv_heap, "kv_access", dropped)
+        mamba = self._members_of(self._mamba_heap, "mamba_access", dropped)
         self._kv_heap, self._mamba_heap, self._gone = kv, mamba, 0
         for x in dropped:
             if x.lru_id >= 0:  # type: ignore[union-attr]
                 self._release(x)  # type: ignore[arg-type]
+
+    def _members_of(self, heap: list[int], access: str, dropped: list[Node]) -> list[int]:
+        """The entries of ``heap`` whose node is still a member (by its ``access`` stamp), as
+        a new heap; the others' stamps are cleared and their nodes added to ``dropped``."""
+        by_id, kept = self._by_id, []
+        for e in heap:
+            x = by_id[e & _ID_MASK]
+            if getattr(x, access) > 0 and x.parent is not None:  # type: ignore[union-attr]
+                kept.append(e)
+            else:
+                setattr(x, access, 0)
+                dropped.append(x)  # type: ignore[arg-type]
+        heapify(kept)
+        return kept
 
     def offer(self, x: Node) -> None:
         """``x`` may have become a metadata leaf: queue it for trimming at its ``seen``."""
