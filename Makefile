@@ -29,7 +29,7 @@ demo: setup
 	$(PY) examples/offline_demo.py
 
 test: setup
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # The multi-turn workload benchmark (OpenAI server, N conversations x R turns, TTFT per turn per
 # configuration). BENCH_MULTITURN_ARGS defaults to the ~3 min smoke run; set it empty for the
