@@ -33,7 +33,7 @@ test: setup
 
 # The multi-turn workload benchmark (OpenAI server, N conversations x R turns, TTFT per turn per
 # configuration). BENCH_MULTITURN_ARGS defaults to the ~3 min smoke run; set it empty for the
-# full run (~15 min on 2 cores), e.g. `make bench-multiturn BENCH_MULTITURN_ARGS=`.
+# full run (~30 min on 2 cores with both native configurations), e.g. `make bench-multiturn BENCH_MULTITURN_ARGS=`.
 BENCH_MULTITURN_ARGS ?= --quick
 BENCH_OUT ?= /tmp/himamba-bench-multiturn
 

@@ -74,9 +74,9 @@ def model_config(kind: str) -> dict[str, Any]:
 
 
 def build_model(kind: str) -> Path:
-    from tests.harness.tiny_models import _build
+    from tests.harness.tiny_models import build_model as build
 
-    return _build(BENCH_MODELS, f"granite-bench-{kind}-float32", model_config(kind))
+    return build(BENCH_MODELS, f"granite-bench-{kind}-float32", model_config(kind))
 
 
 # -- one engine (child process) -----------------------------------------------------------

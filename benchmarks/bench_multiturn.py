@@ -6,18 +6,20 @@ greedy, ``ignore_eos``): turn t's prompt is turn t-1's prompt + its output + new
 The device KV cache (``--num-gpu-blocks-override``) holds the requests in flight but not every
 conversation, so a later turn can only hit through a connector tier. One server at a time, in
 this order: no connector; himamba CPU tier; himamba CPU tier + storage (a temp directory,
-emptied before each start); vLLM's native OffloadingConnector (on CPU it refuses to start:
-recorded as "refused" with its message). The sequence is served ``--repeat`` times (default 2)
-so background load on a shared box lands on every configuration alike; repeats are pooled.
-Measured per turn: time to first streamed token, cached tokens (usage
-``prompt_tokens_details.cached_tokens``, device + connector) and the local/external prefix-cache
-counter deltas of the turn; per configuration: throughput over the run. Tokens must be identical
-across configurations for every turn of every conversation; mismatches are listed and make the
-exit status 1. Goal reported against: turns >= 2 at ~4k-token conversations <= 0.3x no-connector
-TTFT.
+emptied before each start); vLLM's native OffloadingConnector (stock on CPU it refuses to
+start, so it runs with the benchmark-only CPU-copy spec of ``benchmarks/native_offload_cpu.py``;
+a start failure is recorded as "refused" with its message); native again with
+``offload_prompt_only`` false and ``--prefix-cache-retention-interval`` = the block size. The
+sequence is served ``--repeat`` times (default 2) so background load on a shared box lands on
+every configuration alike; repeats are pooled. Measured per turn: time to first streamed token,
+cached tokens (usage ``prompt_tokens_details.cached_tokens``, device + connector) and the
+local/external prefix-cache counter deltas of the turn; per configuration: throughput over the
+run. Tokens must be identical across configurations for every turn of every conversation;
+mismatches are listed and make the exit status 1. Goal reported against: turns >= 2 at ~4k-token
+conversations <= 0.3x no-connector TTFT.
 
-    python -m benchmarks.bench_multiturn --out /tmp/mt.json --plot /tmp/mt.png   # ~15 min, 2 cores
-    python -m benchmarks.bench_multiturn --quick --out /tmp/q.json --plot /tmp/q.png   # ~3 min
+    python -m benchmarks.bench_multiturn --out /tmp/mt.json --plot /tmp/mt.png   # ~30 min, 2 cores
+    python -m benchmarks.bench_multiturn --quick --out /tmp/q.json --plot /tmp/q.png   # ~5 min
     python -m benchmarks.bench_multiturn --replot /tmp/mt.json --plot /tmp/mt.png  # no server
 
 Pass-throughs (the benchmark itself never tunes the connector): ``--extra-config JSON`` is merged
@@ -53,12 +55,14 @@ from benchmarks.multiturn_report import (  # noqa: E402
     turn_table,
 )
 from benchmarks.multiturn_server import (  # noqa: E402
+    NATIVE_KINDS,
     ConfigKind,
     ConnectorSettings,
     PrefixCounters,
     Server,
     ServerExited,
     ServerSettings,
+    config_engine_args,
     kv_transfer_config,
     root_cause,
 )
@@ -98,7 +102,7 @@ QUICK = Preset("tiny", 6, 3, 2, 256, 128, 128, 16, 0.25)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model, small sizes (~3 min)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, small sizes (~5 min)")
     ap.add_argument("--model", help="big | tiny (bench_cpu_tier models) or a checkpoint folder")
     ap.add_argument("--conversations", type=int)
     ap.add_argument("--turns", type=int)
@@ -270,10 +274,14 @@ def run(a: argparse.Namespace) -> int:
                 shutil.rmtree(conn.storage_dir, ignore_errors=True)
             load_before = os.getloadavg()[0]
             code = code_fingerprint()
+            own_args = config_engine_args(kind, (device or {}).get("block_size") or bs)
+            if own_args:
+                entry["engine_args"] = list(own_args)
+            kind_settings = replace(settings, engine_args=settings.engine_args + own_args)
             try:
-                server = Server.start(settings, entry["kv_transfer_config"], log)
+                server = Server.start(kind_settings, entry["kv_transfer_config"], log)
             except ServerExited as exc:
-                refused = kind is ConfigKind.NATIVE_OFFLOAD
+                refused = kind in NATIVE_KINDS
                 status = RunStatus.REFUSED if refused else RunStatus.FAILED
                 entry.update(status=status.value, message=exc.reason, log=str(log))
                 print(f"{name:<22} {status.value}: {exc.reason}", flush=True)
@@ -288,7 +296,8 @@ def run(a: argparse.Namespace) -> int:
                         server.stop()
                         settings = replace(settings, device_blocks=want)
                         blocks = want
-                        server = Server.start(settings, entry["kv_transfer_config"], log)
+                        kind_settings = replace(kind_settings, device_blocks=want)
+                        server = Server.start(kind_settings, entry["kv_transfer_config"], log)
                         device = size_device_cache(server, blocks, w.clients)
                 warm_up(server, w)
                 result = run_conversations(server, w, name, rep)

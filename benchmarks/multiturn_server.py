@@ -35,6 +35,21 @@ class ConfigKind(Enum):
     HIMAMBA_CPU = "himamba_cpu"
     HIMAMBA_CPU_STORAGE = "himamba_cpu+storage"
     NATIVE_OFFLOAD = "native_offload"
+    # Native with the knobs that suit conversations: decode blocks offloaded too
+    # (offload_prompt_only false) and Mamba/sliding-window checkpoints retained every block
+    # (--prefix-cache-retention-interval = the resolved block size).
+    NATIVE_OFFLOAD_DECODE_RETAIN = "native_offload+decode+retain"
+
+
+NATIVE_KINDS = frozenset({ConfigKind.NATIVE_OFFLOAD, ConfigKind.NATIVE_OFFLOAD_DECODE_RETAIN})
+# vLLM 0.32's CPU offloading spec refuses to start on the CPU platform (its transfer worker is
+# CUDA/XPU only); this benchmark-only spec keeps the native scheduler side and copies blocks with
+# plain tensor ops (benchmarks/native_offload_cpu.py). Named here so the client never imports vLLM.
+NATIVE_CPU_SPEC = {
+    "spec_name": "CPUCopyOffloadingSpec",
+    "spec_module_path": "benchmarks.native_offload_cpu",
+}
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -62,11 +77,17 @@ def kv_transfer_config(kind: ConfigKind, c: ConnectorSettings) -> dict[str, Any]
     """The ``--kv-transfer-config`` of one configuration (None: no connector)."""
     if kind is ConfigKind.NO_CONNECTOR:
         return None
-    if kind is ConfigKind.NATIVE_OFFLOAD:
+    if kind in NATIVE_KINDS:
+        native: dict[str, Any] = {
+            **NATIVE_CPU_SPEC,
+            "cpu_bytes_to_use": int(c.cpu_cache_gb * 2**30),
+        }
+        if kind is ConfigKind.NATIVE_OFFLOAD_DECODE_RETAIN:
+            native["offload_prompt_only"] = False
         return {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": int(c.cpu_cache_gb * 2**30)},
+            "kv_connector_extra_config": native,
         }
     extra: dict[str, Any] = {"cpu_cache_gb": c.cpu_cache_gb}
     if kind is ConfigKind.HIMAMBA_CPU_STORAGE:
@@ -86,6 +107,14 @@ def kv_transfer_config(kind: ConfigKind, c: ConnectorSettings) -> dict[str, Any]
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
+
+
+def config_engine_args(kind: ConfigKind, block_size: int) -> tuple[str, ...]:
+    """Server arguments one configuration adds to the shared ones (``block_size``: the block
+    size vLLM resolved, or the guess before any server ran)."""
+    if kind is ConfigKind.NATIVE_OFFLOAD_DECODE_RETAIN:
+        return (f"--prefix-cache-retention-interval={block_size}",)
+    return ()
 
 
 def free_port() -> int:
@@ -135,6 +164,10 @@ class Server:
             # large enough for it (GiB, integers only on CPU).
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+            # The native configurations load their offloading spec from benchmarks/.
+            "PYTHONPATH": os.pathsep.join(
+                x for x in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if x
+            ),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
         }
