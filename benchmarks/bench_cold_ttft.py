@@ -21,11 +21,9 @@ from typing import Any
 
 import requests
 
-HERE = Path(__file__).resolve().parent
-
-from tests.harness.openai_server import running_server  # noqa: E402
-from tests.harness.scenarios import prompt  # noqa: E402
-from tests.harness.tiny_models import DEFAULT_CACHE_DIR, build_granite_hybrid  # noqa: E402
+from tests.harness.offline_engine import prompt
+from tests.harness.openai_server import running_server
+from tests.harness.tiny_models import DEFAULT_CACHE_DIR, build_granite_hybrid
 
 
 def ttft(base: str, ids: list[int]) -> float:

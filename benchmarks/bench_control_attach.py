@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from tests.harness.scenarios import prompt
+    from tests.harness.offline_engine import prompt
     from tests.harness.tiny_models import DEFAULT_CACHE_DIR, build_granite_hybrid
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-control-"))

@@ -86,7 +86,7 @@ def serve_engine(args: dict[str, Any]) -> None:
     Both engines (with and without the connector) stay up side by side and the parent
     alternates between them, so background load on a shared box hits both alike.
     """
-    from tests.harness.scenarios import close_llm, connectors, generate, make_llm, prompt
+    from tests.harness.offline_engine import close_llm, connectors, generate, make_llm, prompt
 
     with_connector = args["mode"] == "connector"
     extra = {"cpu_cache_gb": args["cpu_cache_gb"]} if with_connector else None

@@ -54,7 +54,7 @@ def decode_steps(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[st
 
 
 def serve_engine(args: dict[str, Any]) -> None:
-    from tests.harness.scenarios import close_llm, connectors, generate, make_llm, prompt
+    from tests.harness.offline_engine import close_llm, connectors, generate, make_llm, prompt
 
     with_connector = args["mode"] == "connector"
     extra = {"cpu_cache_gb": args["cpu_cache_gb"]} if with_connector else None

@@ -67,7 +67,7 @@ def evict_page_cache(root: str) -> int:
 
 
 def serve_engine(args: dict[str, Any]) -> None:
-    from tests.harness.scenarios import close_llm, connectors, generate, make_llm, prompt
+    from tests.harness.offline_engine import close_llm, connectors, generate, make_llm, prompt
 
     if args.get("switch_interval"):
         sys.setswitchinterval(args["switch_interval"])  # diagnostic: GIL hand-off latency

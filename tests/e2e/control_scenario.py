@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.harness.scenarios import (
+from tests.harness.offline_engine import (
     ENGINE,
-    _worker_flush,
     close_llm,
     drop_host_tier,
+    flush_worker,
     generate,
     leak_report,
     make_llm,
@@ -35,7 +35,7 @@ def storage_control(args: dict[str, Any]) -> dict[str, Any]:
 
     def objects(d: Path) -> int:
         """KV and Mamba objects in ``d`` (not the health probes each open store writes)."""
-        _worker_flush()
+        flush_worker()
         return sum(
             1 for p in d.rglob("*.data") if p.is_file() and p.name.split("@")[2:3] in (["0"], ["1"])
         )

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests.harness.offline_engine import prompt
 from tests.harness.redis_cluster import SKIP_REASON, cluster_available
-from tests.harness.scenarios import prompt
 from tests.harness.subprocess_run import child_env, run_script
 
 pytestmark = [pytest.mark.e2e]
@@ -181,7 +181,7 @@ def short_prompt_set(block: int) -> list[list[int]]:
 
 
 def baseline_two_phase(args: dict[str, Any]) -> dict[str, Any]:
-    from tests.harness.scenarios import ENGINE, close_llm, generate, make_llm
+    from tests.harness.offline_engine import ENGINE, close_llm, generate, make_llm
 
     llm = make_llm(args, None)
     out: dict[str, Any] = {"single": [generate(llm, [p])[0] for p in args["prompts"]]}
@@ -194,10 +194,10 @@ def baseline_two_phase(args: dict[str, Any]) -> dict[str, Any]:
 def fleet_replica(args: dict[str, Any]) -> dict[str, Any]:
     """Replica `a` computes `shared` once `b` is serving; replica `b` serves `warmup`, then
     asks for `shared` as soon as `a` says it is written."""
-    from tests.harness.scenarios import (
-        _worker_flush,
+    from tests.harness.offline_engine import (
         close_llm,
         connectors,
+        flush_worker,
         generate,
         leak_report,
         make_llm,
@@ -226,7 +226,7 @@ def fleet_replica(args: dict[str, Any]) -> dict[str, Any]:
                 raise TimeoutError("replica b never started serving")
             time.sleep(0.05)
         out["shared"] = generate(llm, [args["shared"]])[0]
-        out["worker"] = _worker_flush()
+        out["worker"] = flush_worker()
         (sync / "a_written").touch()
     close_llm(llm)
     return out
@@ -237,16 +237,16 @@ def node_outage(args: dict[str, Any]) -> dict[str, Any]:
     tier dropped, the prompts served again; node 1 restarted (empty), the prompts served,
     written again, and served from storage once more."""
     from himamba.tiers.cluster_url import cluster_adapter_spec
-    from tests.harness.redis_cluster import RedisCluster
-    from tests.harness.scenarios import (
-        _worker_flush,
+    from tests.harness.offline_engine import (
         close_llm,
         connectors,
         drop_host_tier,
+        flush_worker,
         generate,
         leak_report,
         make_llm,
     )
+    from tests.harness.redis_cluster import RedisCluster
 
     cluster = RedisCluster(Path(args["workdir"]) / "cluster")
     cluster.start()
@@ -263,7 +263,7 @@ def node_outage(args: dict[str, Any]) -> dict[str, Any]:
             return [generate(llm, [p])[0] for p in ps]
 
         out: dict[str, Any] = {"cold": serve()}
-        _worker_flush()
+        flush_worker()
         drop_host_tier(llm)
         out["healthy"] = serve()
         out["keys_per_node"] = cluster.keys_per_node()
@@ -273,16 +273,16 @@ def node_outage(args: dict[str, Any]) -> dict[str, Any]:
         out["down"] = serve()
         out["down_hits"] = sum(1 for o in out["down"] if o["cached"] > 0)
         out["down_stats"] = {**sched.stats(), "hit_tokens_before": before}
-        out["down_worker"] = _worker_flush()
+        out["down_worker"] = flush_worker()
         cluster.restart(1)
         time.sleep(args.get("recover_s", 3.0))  # breaker cool-down + a health probe
         drop_host_tier(llm)
         out["back_cold"] = serve()  # misses on node 1 are recomputed and written again
-        _worker_flush()
+        flush_worker()
         drop_host_tier(llm)
         out["back"] = serve()
         out["stats"] = sched.stats()
-        out["worker"] = _worker_flush()
+        out["worker"] = flush_worker()
         out["leaks"] = leak_report(llm)
         close_llm(llm)
         return out
@@ -293,7 +293,7 @@ def node_outage(args: dict[str, Any]) -> dict[str, Any]:
 SCENARIOS = {f.__name__: f for f in (baseline_two_phase, fleet_replica, node_outage)}
 
 if __name__ == "__main__":
-    from tests.harness.scenarios import ENGINE
+    from tests.harness.offline_engine import ENGINE
 
     res = SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]))
     res.setdefault("block_size", ENGINE.get("block_size"))

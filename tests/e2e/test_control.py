@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness.scenarios import prompt
+from tests.harness.offline_engine import prompt
 from tests.harness.subprocess_run import child_env, run_script
 
 pytestmark = pytest.mark.e2e

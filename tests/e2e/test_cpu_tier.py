@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness.scenarios import prompt
+from tests.harness.offline_engine import prompt
 from tests.harness.subprocess_run import run_scenario
 
 pytestmark = pytest.mark.e2e

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.offline_engine import prompt
 from tests.harness.process_faults import hide_modules
-from tests.harness.scenarios import prompt
 from tests.harness.subprocess_run import run_scenario
 
 REPO = Path(__file__).resolve().parents[2]

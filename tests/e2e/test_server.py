@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.harness.offline_engine import prompt
 from tests.harness.openai_server import complete, running_server
-from tests.harness.scenarios import prompt
 from tests.harness.subprocess_run import run_scenario
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]

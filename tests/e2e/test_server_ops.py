@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from himamba.connector.observability.metrics import METRICS, PREFIX
 from tests.harness.kv_events import EventSubscriber, RouterView, per_block
+from tests.harness.offline_engine import prompt
 from tests.harness.openai_server import complete, running_server
-from tests.harness.scenarios import prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from tests.harness.offline_engine import prompt
 from tests.harness.process_faults import delay_acks
 from tests.harness.redis_cluster import running_cluster
-from tests.harness.scenarios import prompt
 from tests.harness.subprocess_run import run_scenario
 
 pytestmark = pytest.mark.e2e

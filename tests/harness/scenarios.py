@@ -9,133 +9,24 @@ Usage: python -m tests.harness.scenarios NAME '{"model": "...", ...}' (from the 
 
 from __future__ import annotations
 
-import gc
 import json
-import os
-import random
 import sys
 import time
 from typing import Any
 
-for _k, _v in {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_CI_ENV": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_k, _v)
-
-CONNECTOR = "HiMambaConnector"
-MODULE = "himamba.connector"
-# The scheduler block size of the last engine built: vLLM derives it at start-up from page sizes
-# (it differs between machines and package versions), so every RESULT carries it for the tests.
-ENGINE: dict[str, int] = {}
+from tests.harness.offline_engine import (
+    ENGINE,
+    close_llm,
+    connectors,
+    drop_host_tier,
+    flush_worker,
+    generate,
+    leak_report,
+    make_llm,
+    prompt,
+)
 
 
-def prompt(seed: int, n: int) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(3, 1000) for _ in range(n)]
-
-
-def make_llm(args: dict[str, Any], extra: dict[str, Any] | None) -> Any:
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kw: dict[str, Any] = dict(
-        model=args["model"],
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype=args.get("dtype", "float32"),
-        max_model_len=args.get("max_model_len", 2048),
-        max_num_seqs=args.get("max_num_seqs", 8),
-        enable_prefix_caching=True,
-        seed=0,
-    )
-    if args.get("worker_extension"):
-        kw["worker_extension_cls"] = "himamba.connector.control.HiMambaWorkerExtension"
-    if args.get("max_num_batched_tokens"):
-        kw["max_num_batched_tokens"] = args["max_num_batched_tokens"]
-    if args.get("tp", 1) > 1:
-        # Workers in spawned processes; the engine core stays in this process.
-        kw["tensor_parallel_size"] = args["tp"]
-        kw["distributed_executor_backend"] = "mp"
-    if extra is not None:
-        policy = {"kv_load_failure_policy": args["policy"]} if "policy" in args else {}
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector=CONNECTOR,
-            kv_connector_module_path=MODULE,
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-            **policy,
-        )
-    llm = LLM(**kw)
-    ENGINE["block_size"] = int(llm.llm_engine.vllm_config.cache_config.block_size)
-    return llm
-
-
-def close_llm(llm: Any) -> None:
-    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort; the process exits next anyway
-        pass
-    del llm
-    ensure_kv_transfer_shutdown()
-    gc.collect()
-
-
-def generate(
-    llm: Any, prompts: list[list[int]], max_tokens: int | list[int] = 16
-) -> list[dict[str, Any]]:
-    """Greedy generation; ``max_tokens`` for all prompts or one per prompt."""
-    from vllm import SamplingParams
-
-    per = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    sp = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in per
-    ]
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return [
-        {
-            "tokens": list(o.outputs[0].token_ids),
-            "cached": o.num_cached_tokens,
-            "finish": o.outputs[0].finish_reason,
-            "s": elapsed,
-        }
-        for o in outs
-    ]
-
-
-def connectors(llm: Any) -> tuple[Any, Any]:
-    """(scheduler-role, worker-role) connector objects of an in-process engine; the worker is
-    None when workers run in their own processes (TP)."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import (
-        get_kv_transfer_group,
-        has_kv_transfer_group,
-    )
-
-    core = llm.llm_engine.engine_core.engine_core
-    return core.scheduler.connector, get_kv_transfer_group() if has_kv_transfer_group() else None
-
-
-def drop_host_tier(llm: Any) -> None:
-    """GPU cache and CPU tier emptied, storage kept: the next hit can only come from storage."""
-    llm.reset_prefix_cache()
-    connectors(llm)[0].drop_host_tier()
-
-
-def leak_report(llm: Any) -> dict[str, Any]:
-    sched, _ = connectors(llm)
-    return sched.leak_report()
-
-
-# -- scenarios -------------------------------------------------------------------------
 def baseline(args: dict[str, Any]) -> dict[str, Any]:
     """Tokens from an engine with no connector at all."""
     llm = make_llm(args, None)
@@ -217,27 +108,11 @@ def load_failure(args: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _worker_flush(timeout_s: float = 10.0) -> dict[str, Any]:
-    """Let write-through land and return the worker's counters (storage included); empty when
-    the workers run in other processes (TP), whose stores flush when the engine closes."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import (
-        get_kv_transfer_group,
-        has_kv_transfer_group,
-    )
-
-    if not has_kv_transfer_group():
-        return {}
-    worker = get_kv_transfer_group()
-    if worker.worker is not None and worker.worker.storage is not None:
-        worker.worker.flush_storage(timeout_s)
-    return worker.stats()
-
-
 def storage_writer(args: dict[str, Any]) -> dict[str, Any]:
     """Compute prompts with write-through to storage, then exit (as a server would)."""
     llm = make_llm(args, args["extra"])
     outs = [generate(llm, [p])[0] for p in args["prompts"]]
-    worker = _worker_flush()
+    worker = flush_worker()
     close_llm(llm)
     return {"outs": outs, "worker": worker}
 
@@ -250,7 +125,7 @@ def storage_reader(args: dict[str, Any]) -> dict[str, Any]:
     result = {
         "outs": outs,
         "stats": sched.stats(),
-        "worker": _worker_flush(),
+        "worker": flush_worker(),
         "leaks": leak_report(llm),
     }
     close_llm(llm)
@@ -267,7 +142,7 @@ def storage_outage(args: dict[str, Any]) -> dict[str, Any]:
     llm = make_llm(args, extra)
     a, b, c = args["prompts"]
     out: dict[str, Any] = {"before": generate(llm, [a])[0]}
-    _worker_flush()
+    flush_worker()
     redis.kill()
     # The CPU tier is dropped too, so storage is the only place A could come from.
     drop_host_tier(llm)
@@ -275,12 +150,12 @@ def storage_outage(args: dict[str, Any]) -> dict[str, Any]:
     redis.start()
     time.sleep(args.get("recover_s", 6.0))  # breaker cool-down + health probe
     out["after_restart_cold"] = generate(llm, [c])[0]
-    _worker_flush()
+    flush_worker()
     drop_host_tier(llm)
     out["after_restart_hit"] = generate(llm, [c])[0]
     sched, _ = connectors(llm)
     out["stats"] = sched.stats()
-    out["worker"] = _worker_flush()
+    out["worker"] = flush_worker()
     out["leaks"] = leak_report(llm)
     close_llm(llm)
     redis.kill()
@@ -292,10 +167,10 @@ def storage_reset(args: dict[str, Any]) -> dict[str, Any]:
     llm = make_llm(args, args["extra"])
     a = args["prompts"][0]
     out: dict[str, Any] = {"cold": generate(llm, [a])[0]}
-    _worker_flush()
+    flush_worker()
     llm.reset_prefix_cache(reset_connector=True)  # host tier and storage epoch
     out["after_reset"] = generate(llm, [a])[0]
-    _worker_flush()
+    flush_worker()
     llm.reset_prefix_cache()  # GPU only: the post-reset copy must still be served
     out["again"] = generate(llm, [a])[0]
     sched, _ = connectors(llm)
@@ -385,7 +260,7 @@ def conversation(args: dict[str, Any]) -> dict[str, Any]:
         history = p + r["tokens"]
     out: dict[str, Any] = {"turns": turns}
     if extra is not None:
-        out["worker"] = _worker_flush()
+        out["worker"] = flush_worker()
         sched, _ = connectors(llm)
         out["stats"] = sched.stats()
         out["leaks"] = leak_report(llm)
@@ -413,7 +288,7 @@ def write_policy(args: dict[str, Any]) -> dict[str, Any]:
     for p in [popular] * args["repeats"] + others:
         llm.reset_prefix_cache()
         outs.append(generate(llm, [p])[0])
-        puts.append(_worker_flush()["storage_puts_ok"])
+        puts.append(flush_worker()["storage_puts_ok"])
     sched, _ = connectors(llm)
     out = {"outs": outs, "puts": puts, "stats": sched.stats(), "leaks": leak_report(llm)}
     close_llm(llm)
@@ -430,7 +305,7 @@ def storage_control(args: dict[str, Any]) -> dict[str, Any]:
     first, second = Path(args["dirs"][0]), Path(args["dirs"][1])
 
     def objects(d: Path) -> int:
-        _worker_flush()
+        flush_worker()
         return sum(1 for p in d.rglob("*.data") if p.is_file())
 
     def control(*call: Any) -> list[dict[str, Any]]:
