@@ -42,17 +42,9 @@ HERE = Path(__file__).resolve().parent
 
 # The engine core in its own process: the control call then runs on its loop, between steps,
 # as on a server.
+# The harness's other CPU-engine defaults are set when it is imported (before vLLM is).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-for _k, _v in {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_CI_ENV": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_k, _v)
-
+import tests.harness.offline_engine  # noqa: E402, F401
 
 # -- inside the engine's processes ------------------------------------------------------------
 # How long each himamba hook and control call held its process's loop, appended as
