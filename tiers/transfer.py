@@ -10,15 +10,15 @@ segments, so the stored bytes do not depend on the dtype view.
 A batch becomes a ``CopyPlan``: runs of consecutive (block, slot) pairs per segment, so a
 request whose blocks and slots are consecutive moves with one call per layer (host slots are
 contiguous per slot, so on the host side a run is a strided set of rows). On CPU a run is a
-numpy slice assignment (a memcpy that releases the GIL; torch's ``index_select`` /
-``index_copy_`` of uint8 rows move 0.2-0.6 GB/s on this build); on a GPU the plan becomes
-pointer lists for one batched DMA call (``transfer_cuda``), pinned pool to device memory
-without staging.
+numpy row or slice assignment (``host_copy``: a memcpy that releases the GIL; torch's
+``index_select`` / ``index_copy_`` of uint8 rows move 0.2-0.6 GB/s on this build); on a GPU
+the plan becomes pointer lists for one batched DMA call (``transfer_cuda``), pinned pool to
+device memory without staging.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from himamba.tiers.cpu_pool import HostSlotPool
+from himamba.tiers.host_copy import Runs, copy_rows, find_runs
 
 
 def _byte_rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
@@ -81,27 +82,13 @@ class LayerBlocks:
 
 
 def _runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(first block, first slot, count)`` for each stretch where both ids go up by one.
-
-    vLLM hands out blocks from a free queue and the host pool hands out slots in order, so a
-    request's blocks and slots are often consecutive: one copy of ``count`` rows moves them.
-    """
-    if len(block_ids) != len(slots):
-        raise ValueError(f"{len(block_ids)} blocks for {len(slots)} slots")
-    runs: list[tuple[int, int, int]] = []
-    for b, s in zip(block_ids, slots, strict=True):
-        if runs:
-            b0, s0, n = runs[-1]
-            if b == b0 + n and s == s0 + n:
-                runs[-1] = (b0, s0, n + 1)
-                continue
-        runs.append((b, s, 1))
-    return runs
+    """``(first block, first slot, count)`` for each stretch where both ids go up by one."""
+    return find_runs(block_ids, slots).runs
 
 
 class SegmentCopy(NamedTuple):
-    """One run of rows between a cache segment and its columns of a pool row (a tuple: a
-    random batch makes thousands of them, so they must be cheap to build)."""
+    """One run of rows between a cache segment and its columns of a pool row (the device path's
+    unit; a tuple, as a random batch makes thousands of them)."""
 
     seg: torch.Tensor  # uint8 [num_blocks, seg_bytes] view of the cache
     np_seg: np.ndarray | None  # the same bytes as numpy when the cache is in host memory
@@ -112,33 +99,64 @@ class SegmentCopy(NamedTuple):
     count: int
 
 
+class SegmentRuns(NamedTuple):
+    """One segment of one layer and the runs that move it; the runs object is shared by every
+    layer with the same ids, so a plan costs a tuple per segment, not per row."""
+
+    seg: torch.Tensor
+    np_seg: np.ndarray | None
+    host: torch.Tensor
+    np_host: np.ndarray
+    runs: Runs
+
+
+class PlanCopies(Sequence[SegmentCopy]):
+    """A plan's copies, one per (segment, run), made on demand: the host path never needs
+    them, the device path walks them once, and ``len`` (the copy calls counted per job) is a
+    sum over segments."""
+
+    def __init__(self, segments: Sequence[SegmentRuns]) -> None:
+        self._segments = segments
+        self._len = sum(len(g.runs.runs) for g in segments)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[SegmentCopy]:
+        for seg, np_seg, host, np_host, runs in self._segments:
+            for b, s, n in runs.runs:
+                yield SegmentCopy(seg, np_seg, host, np_host, b, s, n)
+
+    def __getitem__(self, i: int) -> SegmentCopy:  # type: ignore[override]
+        return list(self)[i]  # nobody indexes a plan on a hot path
+
+
 @dataclass
 class CopyPlan:
     """Every copy of one batch, in order, and the bytes it moves.
 
     Built on the caller's thread (ids are checked there, errors surface at once); run later on
-    a copy thread (numpy slice copies release the GIL) or as one pointer list on a GPU stream.
+    a copy thread (numpy row copies release the GIL) or as one pointer list on a GPU stream.
     """
 
     to_host: bool
-    copies: list[SegmentCopy]
+    segments: list[SegmentRuns]
     nbytes: int
     rows: int = 0  # (block, segment) rows it moves; rows / len(copies) = mean run length
 
+    @property
+    def copies(self) -> PlanCopies:
+        return PlanCopies(self.segments)
+
     def run_host(self) -> None:
-        """Execute on the CPU: one numpy copy per run (a memcpy per row, no Python per row)."""
+        """Execute on the CPU, on this thread only (``host_copy``)."""
         to_host = self.to_host
-        for c in self.copies:
-            np_seg, np_host, block, slot, count = c.np_seg, c.np_host, c.block, c.slot, c.count
-            if np_seg is None:
-                run_torch(c, to_host)
-            elif count == 1:  # a single row: integer indexing is the cheapest view
-                if to_host:
-                    np_host[slot] = np_seg[block]
-                else:
-                    np_seg[block] = np_host[slot]
+        for g in self.segments:
+            if g.np_seg is None:
+                for b, s, n in g.runs.runs:
+                    run_torch(SegmentCopy(g.seg, None, g.host, g.np_host, b, s, n), to_host)
             else:
-                _copy_run(np_seg, np_host, block, slot, count, to_host)
+                copy_rows(g.np_seg, g.np_host, g.runs, to_host)
 
     def pointer_lists(self) -> tuple[list[int], list[int], list[int]]:
         """``(src, dst, size)`` byte ranges for a batched copy (``swap_blocks_batch``); a run
@@ -159,17 +177,6 @@ class CopyPlan:
                 dsts.append(host if self.to_host else cache)
                 sizes.append(size)
         return srcs, dsts, sizes
-
-
-def _copy_run(
-    np_seg: np.ndarray, np_host: np.ndarray, block: int, slot: int, count: int, to_host: bool
-) -> None:
-    cache_rows = np_seg[block : block + count]
-    pool_rows = np_host[slot : slot + count]
-    if to_host:
-        pool_rows[...] = cache_rows
-    else:
-        cache_rows[...] = pool_rows
 
 
 def run_torch(c: SegmentCopy, to_host: bool, non_blocking: bool = False) -> None:
@@ -193,21 +200,26 @@ def plan_copies(
     """Block ``layer_block_ids[l][i]`` of layer l <-> slot ``slots[i]``, as runs of rows."""
     if len(layer_block_ids) != len(layers):
         raise ValueError(f"block ids for {len(layer_block_ids)} layers, expected {len(layers)}")
-    copies: list[SegmentCopy] = []
+    segments: list[SegmentRuns] = []
     nbytes = rows = 0
     slots = pool.physical(slots)  # where the logical slots live now (cpu_pool.swap_out)
+    runs_of: dict[tuple[int, ...], Runs] = {}  # layers of one KV group share their ids
     for li, (layer, ids) in enumerate(zip(layers, layer_block_ids, strict=True)):
-        runs = _runs(ids, slots)
+        key = tuple(ids)
+        runs = runs_of.get(key)
+        if runs is None:
+            runs = runs_of[key] = find_runs(key, slots)
         offset = 0
         for si, seg in enumerate(layer.segments):
             cols = slice(offset, offset + seg.shape[1])
             np_seg = None if layer.np_segments is None else layer.np_segments[si]
-            host, np_host = pool.rows[li][:, cols], pool.np_rows[li][:, cols]
-            copies += [SegmentCopy(seg, np_seg, host, np_host, b, s, n) for b, s, n in runs]
+            segments.append(
+                SegmentRuns(seg, np_seg, pool.rows[li][:, cols], pool.np_rows[li][:, cols], runs)
+            )
             offset += seg.shape[1]
         nbytes += layer.block_bytes * len(ids)
         rows += len(ids) * len(layer.segments)
-    return CopyPlan(to_host, copies, nbytes, rows)
+    return CopyPlan(to_host, segments, nbytes, rows)
 
 
 def device_to_host(
