@@ -163,6 +163,22 @@ class StoreBatch:
         for column, block in zip(self.blocks, group_blocks, strict=True):
             column.append(block)
 
+    def extend(
+        self,
+        slots: list[int],
+        group_blocks: list[list[int]],
+        block_hashes: list[bytes],
+        lora_tag: str = "",
+    ) -> None:
+        """``add`` for a run of slots at once (``group_blocks``: per group, one block per slot)."""
+        if not self.blocks:
+            self.blocks = [[] for _ in group_blocks]
+        self.slots.extend(slots)
+        self.hashes.extend(block_hashes)
+        self.lora_tags.extend([lora_tag] * len(slots))
+        for column, blocks in zip(self.blocks, group_blocks, strict=True):
+            column.extend(blocks)
+
     def __len__(self) -> int:
         return len(self.slots)
 
@@ -194,6 +210,9 @@ class StepPlan:
     freed_kv: list[int] = field(default_factory=list)
     freed_mamba: list[int] = field(default_factory=list)
     generation: Generation = Generation()
+    # ``StorageConfig.identity()`` of the scheduler half's store ("": none): a rank that
+    # switched stores knows the switch was followed when this names its own.
+    storage_id: str = ""
 
     @property
     def epoch(self) -> str:

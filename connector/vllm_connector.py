@@ -279,7 +279,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, HiMambaMetadata) and isinstance(self._control, WorkerControl)
-            self._control.saw_planner(meta.plan.generation.planner)
+            self._control.saw_planner(meta.plan.generation.planner, meta.plan.storage_id)
             self.worker.run_loads(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

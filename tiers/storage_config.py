@@ -6,6 +6,7 @@ and a typo must fail at startup with a message that names the key, not deep insi
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -161,6 +162,13 @@ class StorageConfig:
         if self.url is not None:
             return str(redacted_url(self.url))
         return json.dumps(redacted_adapter(self.adapter), sort_keys=True, default=str)
+
+    def identity(self) -> str:
+        """Equal for equal configurations, secrets included but digested (never shown): lets
+        a worker tell whether the scheduler half runs on the store it runs on."""
+        every = {f.name: getattr(self, f.name) for f in fields(self)}
+        text = json.dumps(every, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -8,6 +8,7 @@ half asks it once per step (``plan``) and tells it when a request starts and end
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -72,6 +73,11 @@ class HostStores:
         self.budget = StateBudget(layout.block_size, config.checkpoint_interval_tokens)
         self.events: KVEventTracker | None = None
         self._tracked: dict[str, _Tracked] = {}
+        # Per tracked request: the computed-token count at which its block
+        # ``next_store_block`` is full. Below it a step stores nothing for that request,
+        # which is every decode step of almost every request: one lookup and one
+        # comparison each, in a dict of ints rather than spread over request objects.
+        self._store_at: dict[str, int] = {}
 
     def track(self, request: Request) -> None:
         """The request was scheduled: from now on its new blocks and states may be stored."""
@@ -81,13 +87,29 @@ class HostStores:
         known = self.tree.depth(block_hashes(request, per_block), request_partition(request))
         states = self.budget.open(request.num_prompt_tokens, known)
         tag = self.lora.tag(request.lora_request)
-        self._tracked[request.request_id] = _Tracked(request, states, lora_tag=tag)
+        tracked = _Tracked(request, states, lora_tag=tag)
+        self._tracked[request.request_id] = tracked
+        self._stored_through(tracked, 0, self._last_block(request))
+
+    def _stored_through(self, tracked: _Tracked, block: int, last_block: int | None) -> None:
+        """Blocks before ``block`` are stored; ``last_block`` caps what ever may be."""
+        tracked.next_store_block = block
+        done = last_block is not None and block >= last_block
+        at = sys.maxsize if done else (block + 1) * self.layout.block_size
+        self._store_at[tracked.request.request_id] = at
+
+    def _last_block(self, request: Request) -> int | None:
+        """The block count a request's stores stop at (its prompt's, without decode stores)."""
+        if self.config.store_decode_blocks:
+            return None
+        return request.num_prompt_tokens // self.layout.block_size
 
     def is_tracked(self, req_id: str) -> bool:
         return req_id in self._tracked
 
     def forget(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
+        self._store_at.pop(req_id, None)
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -102,10 +124,24 @@ class HostStores:
         self._plan_mamba(plan, block_state.boundary_state_offloads)
 
     @staticmethod
-    def _computed_before_step(scheduler_output: SchedulerOutput) -> dict[str, int]:
-        out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    def _storing(
+        scheduler_output: SchedulerOutput, store_at: dict[str, int]
+    ) -> list[tuple[str, int]]:
+        """(request, computed tokens at this step's end) of the scheduled requests that reach
+        their ``store_at`` this step. Runs for every scheduled request every step, so it
+        reads only the scheduler output's parallel lists and one dict of ints."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        never = sys.maxsize
+        out = []
+        for r in scheduler_output.scheduled_new_reqs:
+            done = r.num_computed_tokens + scheduled.get(r.req_id, 0)
+            if done >= store_at.get(r.req_id, never):
+                out.append((r.req_id, done))
         cached = scheduler_output.scheduled_cached_reqs
-        out.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, before in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            done = before + scheduled.get(req_id, 0)
+            if done >= store_at.get(req_id, never):
+                out.append((req_id, done))
         return out
 
     def _plan_kv(
@@ -116,50 +152,55 @@ class HostStores:
         finished: set[str],
     ) -> None:
         bs = self.layout.block_size
-        computed = self._computed_before_step(so)
-        for req_id, num_new in so.num_scheduled_tokens.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is None or req_id in finished or req_id not in computed:
+        per_block = self.layout.hashes_per_block
+        for req_id, done in self._storing(so, self._store_at):
+            if req_id in finished:
                 continue
+            tracked = self._tracked[req_id]
             request = tracked.request
-            # Decide from counts first: most steps of most requests (decode) store nothing,
-            # and this runs for every scheduled request every step.
-            full = min(
-                num_hashed_blocks(request, self.layout.hashes_per_block),
-                (computed[req_id] + num_new) // bs,
-            )
-            if not self.config.store_decode_blocks:
-                full = min(full, request.num_prompt_tokens // bs)
+            last = self._last_block(request)
+            full = min(num_hashed_blocks(request, per_block), done // bs)
+            if last is not None:
+                full = min(full, last)
             if full <= tracked.next_store_block:
                 continue
             block_ids = block_state.get_block_ids(req_id)
             if block_ids is None:
                 continue
-            hashes = block_hashes(request, self.layout.hashes_per_block)
+            hashes = block_hashes(request, per_block)
             part = request_partition(request)
             attention = [block_ids[g.group_id] for g in self.layout.attention]
             rolled_back = []
             events = self.events
-            failures = self.tree.counters["alloc_failures"]
+            failures = self.tree.counters.alloc_failures
             start = tracked.next_store_block
             run = self.tree.reserve_kv_run(hashes, part, start, full)
-            for i, slot in run:
-                group_blocks = [row[i] for row in attention]
-                if any(b == 0 for b in group_blocks):  # no device block to copy from
-                    rolled_back.append(slot)
-                    continue
-                plan.kv_stores.add(slot, group_blocks, hashes[i], tracked.lora_tag)
-                self.counters.kv_blocks_stored += 1
+            if any(row[i] == 0 for row in attention for i, _ in run):
+                # Some block has no device block to copy from: those are rolled back.
+                kept = [(i, s) for i, s in run if all(row[i] for row in attention)]
+                rolled_back = [s for i, s in run if not all(row[i] for row in attention)]
+            else:
+                kept = run
+            if kept:
+                idx = [i for i, _ in kept]
+                plan.kv_stores.extend(
+                    [s for _, s in kept],
+                    [[row[i] for i in idx] for row in attention],
+                    [hashes[i] for i in idx],
+                    tracked.lora_tag,
+                )
+                self.counters.kv_blocks_stored += len(kept)
                 if events is not None:
-                    events.planned_kv(request, i, hashes[i])
+                    for i in idx:
+                        events.planned_kv(request, i, hashes[i])
             if rolled_back:
                 self.tree.complete_store(rolled_back, [], ok=False)
-            if self.tree.counters["alloc_failures"] == failures:
-                tracked.next_store_block = full
+            if self.tree.counters.alloc_failures == failures:
+                self._stored_through(tracked, full, last)
             else:
                 # The tier had no room past the last reserved block: try the rest next step
                 # rather than skip it for good.
-                tracked.next_store_block = run[-1][0] + 1 if run else start
+                self._stored_through(tracked, run[-1][0] + 1 if run else start, last)
 
     def _plan_mamba(self, plan: StepPlan, offloads: dict[str, list[tuple[int, int, int]]]) -> None:
         bs = self.layout.block_size

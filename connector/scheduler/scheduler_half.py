@@ -168,6 +168,9 @@ class SchedulerHalf:
         bs = self.layout.block_size
         if num_computed_tokens % bs or self.hits.barred(req_id):
             return 0, False
+        storage = self.storage
+        if storage is not None and storage.still_probing(req_id):
+            return None, False  # asked again next step
         hashes, max_blocks = self._hittable(request)
         start = num_computed_tokens // bs
         if max_blocks <= start:
@@ -177,7 +180,6 @@ class SchedulerHalf:
             self.tree.mark_device(hashes, part, start, mamba=True)
         self.counters.lookups += 1
         result = self.tree.match(hashes, part, start, max_blocks)
-        storage = self.storage
         if storage is not None and result.host_num_blocks < max_blocks:
             if not storage.known(req_id):
                 tag = self.lora.tag(request.lora_request)
@@ -258,6 +260,8 @@ class SchedulerHalf:
         self.counters.steps += 1
         self.stores.plan(plan, scheduler_output)
         storage = self.storage
+        if storage is not None and not scheduler_output.total_num_scheduled_tokens:
+            storage.idle_wait()  # only requests waiting on storage: do not spin
         if storage is not None:
             # Before this plan's stores are committed: a fetch reserving slots now can only
             # evict slots of earlier plans, never one this plan stores into.
@@ -267,7 +271,8 @@ class SchedulerHalf:
             self._orphan_cancels = []
         # Stores are committed now: the worker's copy engine runs them in order and settles a
         # slot's store before it lends, writes or overwrites that slot in a later plan.
-        self.tree.complete_store(plan.kv_stores.slots, plan.mamba_stores.slots, ok=True)
+        if plan.kv_stores or plan.mamba_stores:
+            self.tree.complete_store(plan.kv_stores.slots, plan.mamba_stores.slots, ok=True)
         # One more engine step after the last stores even when idle: its fence hands them to
         # storage (write-through would otherwise wait for the next request).
         self._stores_unfenced = bool(plan.kv_stores or plan.mamba_stores)
@@ -279,6 +284,7 @@ class SchedulerHalf:
         # Slots quarantined while this plan was built (write-back sources) are free again.
         self.tree.seal_plan()
         plan.generation = self.generations.current
+        plan.storage_id = "" if storage is None else storage.storage_id
         self.counters.storage_writes_planned += len(plan.storage_writes)
         if self.check_plans:
             check_plan(plan)

@@ -60,6 +60,12 @@ class Phase(enum.Enum):
     SETTLED = "settled"
 
 
+# How long an empty engine step may wait for storage I/O (see ``idle_wait``). An engine whose
+# only requests wait on storage otherwise spins empty steps (scheduler, RPC to every worker)
+# as fast as it can, taking the CPU from the very threads that answer probes and fetches;
+# 2 ms is far below a fetch's own time and caps that spin at a few hundred steps a second.
+IDLE_WAIT_S = 0.002
+
 # How many objects a planner remembers as missing on some rank (oldest forgotten first).
 MISSING_MEMORY = 65536
 
@@ -110,6 +116,7 @@ class StoragePlanner:
         self.counters = counters
         self.generations = generations
         self.planner = generations.new_planner()
+        self.storage_id = cfg.identity()
         self.ledger = FetchLedger(world_size, self._settle_fetch, generations, self.planner)
         self._requests: dict[str, _Request] = {}
         self._probe_owner: dict[int, str] = {}
@@ -150,6 +157,17 @@ class StoragePlanner:
 
     def known(self, req_id: str) -> bool:
         return req_id in self._requests
+
+    def still_probing(self, req_id: str) -> bool:
+        """The request waits for its probe, which is still in flight, and this step's wait
+        budget is spent: it will be asked again next step, so a lookup can answer before any
+        other work. vLLM asks every waiting request each step, so during an arrival burst
+        this is most lookups."""
+        st = self._requests.get(req_id)
+        if st is None or st.phase is not Phase.PROBING or not st.waits or self._wait_budget > 0:
+            return False
+        self._drain()
+        return st.phase is Phase.PROBING and time.monotonic() < st.deadline
 
     def must_wait(self, req_id: str, start_block: int, max_blocks: int) -> bool:
         """True while the request should be asked again later (vLLM's ``None`` answer)."""
@@ -210,6 +228,17 @@ class StoragePlanner:
         self._drain()
         self.ledger.expire(time.monotonic())
         return self.ledger.take_outbox()
+
+    def idle_wait(self) -> None:
+        """The engine scheduled nothing this step: wait up to ``IDLE_WAIT_S`` for the oldest
+        probe's answer, or sleep that long while fetches are in flight (their acks come from
+        the workers with a later step). Nothing runs that the wait could delay."""
+        if self._probe_owner:
+            res = self.store.wait(next(iter(self._probe_owner)), IDLE_WAIT_S)
+            if res is not None:
+                self._on_probe_answer(res)
+        elif len(self.ledger):
+            time.sleep(IDLE_WAIT_S)
 
     def on_acks(self, acks: Sequence[FetchAck]) -> None:
         self.ledger.on_acks(acks)

@@ -64,6 +64,17 @@ class HostEviction:
     def alloc_kv(self) -> int | None:
         return self._alloc(self.kv_slots, self.evict_kv)
 
+    def alloc_kv_many(self, n: int) -> list[int]:
+        """Up to ``n`` KV slots: free ones first, then one eviction at a time as ``alloc_kv``
+        does; fewer than ``n`` only when ``alloc_kv`` would have failed."""
+        out = self.kv_slots.alloc_many(n)
+        while len(out) < n:
+            slot = self.alloc_kv()
+            if slot is None:
+                break
+            out.append(slot)
+        return out
+
     def alloc_state(self) -> int | None:
         return self._alloc(self.mamba_slots, self.evict_states)
 

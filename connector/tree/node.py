@@ -34,6 +34,7 @@ def _has(bit: int) -> bytes:
 
 
 _HAS_LOAD, _HAS_HOST, _HAS_PEND, _HAS_GPU = (_has(b) for b in (LOADABLE, HOST, PENDING, GPU))
+_OR_GPU = bytes(v | GPU for v in range(256))
 
 
 def common_prefix(a: Sequence[bytes], b: Sequence[bytes], pos: int, k: int) -> int:
@@ -196,6 +197,39 @@ class Node:
         self.n_host += bool(new & HOST) - bool(old & HOST)
         self.n_pend += bool(new & PENDING) - bool(old & PENDING)
         self.n_gpu += bool(new & GPU) - bool(old & GPU)
+
+    def mark_gpu(self, upto: int) -> None:
+        """Set ``GPU`` on blocks ``[0, upto)`` in one C-speed pass (a request's whole path is
+        marked on every store run), counters exact as ``set_flag`` keeps them."""
+        old = bytes(self.flags[:upto])
+        self.flags[:upto] = old.translate(_OR_GPU)
+        self.n_live += old.count(0)
+        self.n_gpu += upto - old.translate(_HAS_GPU).count(1)
+
+    def set_flags(self, idx: Sequence[int], new: bytes) -> None:
+        """``set_flag(idx[k], new[k])`` for every k in one pass: a store run moves tens of
+        blocks of one node at a time, and the counters move by C-speed counts."""
+        f = self.flags
+        old = bytes([f[i] for i in idx])
+        for i, v in zip(idx, new, strict=True):
+            f[i] = v
+        self.n_live += old.count(0) - new.count(0)
+        self.n_load += new.translate(_HAS_LOAD).count(1) - old.translate(_HAS_LOAD).count(1)
+        self.n_host += new.translate(_HAS_HOST).count(1) - old.translate(_HAS_HOST).count(1)
+        self.n_pend += new.translate(_HAS_PEND).count(1) - old.translate(_HAS_PEND).count(1)
+        self.n_gpu += new.translate(_HAS_GPU).count(1) - old.translate(_HAS_GPU).count(1)
+
+    def reserve(self, idx: Sequence[int], slots: Sequence[int]) -> None:
+        """Blocks ``idx`` get host ``slots`` with a store in flight (``PENDING``). Only for
+        blocks with neither ``HOST`` nor ``PENDING``."""
+        f = self.flags
+        assert not any(f[i] & (HOST | PENDING) for i in idx), "block already has a host slot"
+        self.set_flags(idx, bytes([f[i] | PENDING for i in idx]))
+        if self.slots is None:
+            self.slots = array("i", [NO_SLOT]) * len(self.hashes)  # 4 bytes a block
+        mine = self.slots
+        for i, slot in zip(idx, slots, strict=True):
+            mine[i] = slot
 
     def set_slot(self, i: int, slot: int) -> None:
         if self.slots is None:

@@ -83,9 +83,7 @@ class Reservations:
         for x in path:
             upto = min(len(x.hashes), end - x.start)
             if x.n_gpu < upto:
-                flags = x.flags
-                for i in range(upto):
-                    x.set_flag(i, flags[i] | GPU)
+                x.mark_gpu(upto)
         own = path[-1]
         self.maint.hold_path(own)  # the request's own blocks are no victims of its stores
         try:
@@ -96,21 +94,28 @@ class Reservations:
 
     def _reserve_run(self, path: list[Node], start: int, end: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
+        pending = self.forest.pending_kv
         for x in path:
             if x.end <= start:
                 continue
             flags = x.flags
-            for i in range(max(start - x.start, 0), min(len(flags), end - x.start)):
-                if flags[i] & (HOST | PENDING):
-                    continue
-                slot = self.evictor.alloc_kv()
-                if slot is None:
-                    return out
-                x.set_flag(i, flags[i] | PENDING)
-                x.set_slot(i, slot)
-                self.forest.pending_kv[slot] = (x, i)
-                self.policy.withdraw_kv(x)
-                out.append((x.start + i, slot))
+            wanted = [
+                i
+                for i in range(max(start - x.start, 0), min(len(flags), end - x.start))
+                if not flags[i] & (HOST | PENDING)
+            ]
+            if not wanted:
+                continue
+            slots = self.evictor.alloc_kv_many(len(wanted))
+            if slots:
+                got = wanted[: len(slots)]
+                x.reserve(got, slots)
+                for i, slot in zip(got, slots, strict=True):
+                    pending[slot] = (x, i)
+                    out.append((x.start + i, slot))
+                self.policy.withdraw_kv(x)  # a pending block makes the node no victim
+            if len(slots) < len(wanted):
+                return out  # the tier is full: the caller retries the rest next step
         return out
 
     def reserve_mamba(
@@ -138,25 +143,36 @@ class Reservations:
     def complete(self, kv_slots: Iterable[int], mamba_slots: Iterable[int], ok: bool) -> None:
         """See ``HybridRadixTree.complete_store``."""
         touched: dict[int, Node] = {}
+        done = 0
         pending_kv, pending_mamba = self.forest.pending_kv, self.forest.pending_mamba
         obs = self.observer
+        # Per node, the blocks whose store ended: their flags move in one pass per node.
+        ended: dict[int, tuple[Node, list[int]]] = {}
         for slot in kv_slots:
             entry = pending_kv.pop(slot, None)
             if entry is None:
                 self.counters.stale_completions += 1
                 continue
             node, i = entry
-            flag = node.flags[i] & ~PENDING
             if ok:
-                flag |= HOST
                 if obs is not None:
                     obs.host_kv(True, node.hashes[i])
             else:
                 node.set_slot(i, NO_SLOT)
                 self.kv_slots.free(slot)
-            node.set_flag(i, flag)
-            touched[id(node)] = node
-            self.counters["stores_committed" if ok else "stores_rolled_back"] += 1
+            mine = ended.get(id(node))
+            if mine is None:
+                ended[id(node)] = (node, [i])
+            else:
+                mine[1].append(i)
+            done += 1
+        for key, (node, idx) in ended.items():
+            f = node.flags
+            if ok:
+                node.set_flags(idx, bytes([(f[i] & ~PENDING) | HOST for i in idx]))
+            else:
+                node.set_flags(idx, bytes([f[i] & ~PENDING for i in idx]))
+            touched[key] = node
         for slot in mamba_slots:
             mnode = pending_mamba.pop(slot, None)
             if mnode is None:
@@ -172,7 +188,11 @@ class Reservations:
                 mnode.mamba_slot = NO_SLOT
                 self.mamba_slots.free(slot)
             touched[id(mnode)] = mnode
-            self.counters["stores_committed" if ok else "stores_rolled_back"] += 1
+            done += 1
+        if ok:
+            self.counters.stores_committed += done
+        else:
+            self.counters.stores_rolled_back += done
         for node in touched.values():
             if node.parent is not None:
                 self.maint.settle(node)

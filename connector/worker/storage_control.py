@@ -47,14 +47,14 @@ class WorkerControl:
         self.switch = StoreSwitch(f"worker {worker.rank}")
         # Acknowledgements of fetches a retired store was running (failed: slots go back).
         self._acks: list[FetchAck] = []
-        # The scheduler half's planner in the last plan seen (0: it has no storage), the one
-        # seen when the pending attach was asked for, and the switch the scheduler half has not
-        # followed yet: (action, its planner before it heard of the switch). "When asked", as
-        # another rank's earlier switch may have been followed already; when no plan was seen
-        # by then, the plan of the step whose output carries the report.
+        # The scheduler half's planner in the last plan seen (0: it has no storage) and its
+        # store's ``StorageConfig.identity()`` ("": none), and the switch of this rank the
+        # scheduler half has not followed yet. An attach is followed once the scheduler half
+        # runs on this rank's store, whichever rank's report it acted on: planner ids cannot
+        # tell, as another rank's report of the same switch may have been followed first.
         self._planner: int | None = None
-        self._asked_at: int | None = None
-        self._awaiting: tuple[ControlAction, int | None] | None = None
+        self._scheduler_store = ""
+        self._awaiting: ControlAction | None = None
 
     def opener(
         self, cfg: StorageConfig, store: ByteStore | None = None
@@ -95,13 +95,12 @@ class WorkerControl:
                 )
             attached = self.worker.storage is not None and cfg == self.current
             if cfg != self.switch.preparing and not (attached and self.switch.preparing is None):
-                self._asked_at = self._planner
                 self.switch.prepare(cfg, section, lambda: self.open_store(cfg))
         elif action is ControlAction.DETACH:
             self.switch.abandon()
             self._retire_current()
             self.current = None
-            self._report(ControlRequest(ControlAction.DETACH), self._planner)
+            self._report(ControlRequest(ControlAction.DETACH))
         return self.status()
 
     def status(self) -> dict[str, Any]:
@@ -127,11 +126,11 @@ class WorkerControl:
     def _scheduler_state(self) -> str:
         seen = self._planner
         if self._awaiting is not None:
-            action, before = self._awaiting
-            if action is ControlAction.DETACH:
+            if self._awaiting is ControlAction.DETACH:
                 followed = seen == 0
-            else:  # ``before`` is None until the report went out
-                followed = before is not None and seen not in (None, 0, before)
+            else:
+                mine = None if self.current is None else self.current.identity()
+                followed = bool(seen) and self._scheduler_store == mine
             if not followed:
                 return "switching"
             self._awaiting = None
@@ -140,9 +139,10 @@ class WorkerControl:
         return "attached" if seen else "detached"
 
     # -- step boundaries --------------------------------------------------------------------
-    def saw_planner(self, planner: int) -> None:
-        """The planner id of the plan this step runs."""
+    def saw_planner(self, planner: int, storage_id: str = "") -> None:
+        """The planner id of the plan this step runs, and its store's identity."""
         self._planner = planner
+        self._scheduler_store = storage_id
 
     def poll(self) -> None:
         """Switch to the prepared store if it is open (a cheap check, every step)."""
@@ -164,22 +164,20 @@ class WorkerControl:
             self.switch.retire(ready.store.close, "the refused store")
             self.worker.storage = None
             self.current = None
-            self._report(ControlRequest(ControlAction.DETACH), self._planner)
+            self._report(ControlRequest(ControlAction.DETACH))
             return
         self.current = ready.cfg
         section = json.dumps(ready.section) if ready.section else ""
-        self._report(ControlRequest(ControlAction.ATTACH, section), self._asked_at)
+        self._report(ControlRequest(ControlAction.ATTACH, section))
         logger.info("himamba: rank %d attached storage %s", self.worker.rank, ready.cfg.target)
 
-    def _report(self, request: ControlRequest, planner_before: int | None) -> None:
+    def _report(self, request: ControlRequest) -> None:
         self.worker.control_out.append(request)
-        self._awaiting = (request.action, planner_before)
+        self._awaiting = request.action
 
     def take_reports(self) -> list[ControlRequest]:
         """The switches to report in this step's output (``build_connector_worker_meta``)."""
         reports, self.worker.control_out = self.worker.control_out, []
-        if reports and self._awaiting is not None and self._awaiting[1] is None:
-            self._awaiting = (self._awaiting[0], self._planner)
         return reports
 
     def _retire_current(self) -> None:

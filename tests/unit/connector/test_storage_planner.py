@@ -49,6 +49,7 @@ class ScriptedStore:
             if a.task_id == task_id:
                 self._done.remove(a)
                 return a
+        time.sleep(timeout_s or 0.0)  # as a real store blocks until its timeout
         return None
 
     def report_slow(self, reason: str) -> None:
@@ -136,3 +137,39 @@ def test_a_best_effort_request_warms_the_host_from_block_zero_without_a_lookup()
     p.begin("a", h, None, 1000)
     orders, _ = p.step()
     assert [it.block_hash for it in orders[0].items if it.kind == ObjectKind.KV] == h
+
+
+def test_an_empty_step_waits_for_the_probe_in_flight_not_longer() -> None:
+    """``idle_wait``: an engine step that scheduled nothing takes the probe's answer when it
+    is there, and otherwise gives the CPU up for at most ``IDLE_WAIT_S``; with nothing in
+    flight it returns at once."""
+    from himamba.connector.scheduler.storage_planner import IDLE_WAIT_S
+
+    store = ScriptedStore()
+    p = planner(store)
+    t = time.monotonic()
+    p.idle_wait()  # nothing in flight
+    assert time.monotonic() - t < IDLE_WAIT_S
+    p.begin("a", hashes(1), None, NUM_BLOCKS * 16)
+    p.idle_wait()  # the answer is there: taken
+    assert not p.still_probing("a") and p.must_wait("a", 0, NUM_BLOCKS)  # answered, fetching
+    silent = ScriptedStore(silent=True)
+    q = planner(silent)
+    q.begin("b", hashes(2), None, NUM_BLOCKS * 16)
+    t = time.monotonic()
+    q.idle_wait()  # no answer comes: the wait is bounded
+    assert time.monotonic() - t < 0.5
+
+
+def test_a_lookup_whose_probe_is_out_answers_ask_again_once_the_wait_budget_is_spent() -> None:
+    """vLLM asks every waiting request each step; with many arrivals, most lookups are of
+    requests whose probe is still out, and those answer before any other work."""
+    silent = ScriptedStore(silent=True)
+    p = planner(silent, probe_wait_ms=1)
+    p.begin("a", hashes(1), None, NUM_BLOCKS * 16)
+    assert not p.still_probing("a")  # this step's wait budget is not spent yet
+    assert p.must_wait("a", 0, NUM_BLOCKS)  # spends it waiting for the probe
+    assert p.still_probing("a")  # ... so the next lookup this step answers at once
+    p.step()  # a new step: a new budget
+    assert not p.still_probing("a")
+    assert not p.still_probing("unknown")
