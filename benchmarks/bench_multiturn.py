@@ -49,9 +49,11 @@ from benchmarks.multiturn_report import (  # noqa: E402
     RunStatus,
     plot,
     render_table,
+    render_turn_ratios,
     throughput,
     token_mismatches,
     ttft_ratios,
+    turn_ratios,
     turn_table,
 )
 from benchmarks.multiturn_server import (  # noqa: E402
@@ -380,6 +382,7 @@ def summarize(
             for name, cfg in configs.items()
         },
         "ttft_ratio_vs_no_connector": ttft_ratios(configs, goal),
+        "turn_ratios": turn_ratios(configs),
         "tokens_reference": ref,
         "tokens_identical": not mismatches,
         "mismatches": [m.as_json() for m in mismatches],
@@ -401,6 +404,8 @@ def finish(
     if a.plot:
         plot(with_records, a.plot)
     print(render_table(summary))
+    print("\nTurns >= 2, TTFT and whole turn (request to last token):")
+    print(render_turn_ratios(summary.get("turn_ratios", {})))
     for name, r in summary["ttft_ratio_vs_no_connector"].items():
         print(
             f"{name}: TTFT turns>=2 / no connector = {r['turns_ge2_pooled']:.3f}x "
@@ -439,6 +444,7 @@ def replot(a: argparse.Namespace) -> int:
     }
     # Derived figures are recomputed from the records, so a newer report applies to old runs.
     summary["ttft_ratio_vs_no_connector"] = ttft_ratios(configs, a.goal)
+    summary["turn_ratios"] = turn_ratios(configs)
     ref, mismatches = token_mismatches(configs)
     summary.update(
         tokens_reference=ref,

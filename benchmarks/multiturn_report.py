@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 BASELINE = "no_connector"
+# The second yardstick of issue 17: vLLM's own offloading connector at its defaults.
+NATIVE = "native_offload"
 
 
 class RunStatus(Enum):
@@ -51,6 +53,7 @@ def turn_table(records: list[dict[str, Any]], rounds: list[dict[str, int]]) -> d
     for turn in sorted({r["turn"] for r in records}):
         rows = [r for r in records if r["turn"] == turn]
         ttft = [r["ttft_s"] for r in rows]
+        whole = [r["e2e_s"] for r in rows]
         cached = [r["cached_tokens"] for r in rows if r["cached_tokens"] is not None]
         prompt = [r["prompt_tokens"] for r in rows]
         server_ttft = [r["server_ttft_ms"] for r in rows if r.get("server_ttft_ms") is not None]
@@ -66,6 +69,11 @@ def turn_table(records: list[dict[str, Any]], rounds: list[dict[str, int]]) -> d
             "ttft_median_s": _r(statistics.median(ttft)),
             "ttft_mean_s": _r(statistics.fmean(ttft)),
             "ttft_p90_s": _r(_p90(ttft)),
+            # The whole turn, request sent to last token: what a chat user waits for.
+            "turn_median_s": _r(statistics.median(whole)),
+            "decode_median_s": _r(
+                statistics.median(e - t for e, t in zip(whole, ttft, strict=True))
+            ),
             "server_ttft_median_ms": _r(statistics.median(server_ttft), 1) if server_ttft else None,
             "prompt_tokens_median": statistics.median(prompt),
             "cached_tokens_median": statistics.median(cached),
@@ -130,6 +138,60 @@ def ttft_ratios(configs: dict[str, Any], goal: float) -> dict[str, Any]:
             "goal_met": pooled <= goal and max(per_turn.values()) <= goal,
         }
     return out
+
+
+def turn_ratios(configs: dict[str, Any]) -> dict[str, Any]:
+    """Turns >= 2, each configuration against no connector and against native offloading:
+    median TTFT ratio and median whole-turn ratio (pooled over the turns)."""
+
+    def medians(cfg: dict[str, Any]) -> tuple[float, float] | None:
+        if cfg.get("status") != RunStatus.COMPLETED.value:
+            return None
+        recs = [r for r in cfg["records"] if r["turn"] >= 2]
+        if not recs:
+            return None
+        return statistics.median(r["ttft_s"] for r in recs), statistics.median(
+            r["e2e_s"] for r in recs
+        )
+
+    bases = {b: medians(configs[b]) for b in (BASELINE, NATIVE) if b in configs}
+    out: dict[str, Any] = {}
+    for name, cfg in configs.items():
+        mine = medians(cfg)
+        if mine is None:
+            continue
+        row: dict[str, Any] = {"ttft_median_s": _r(mine[0]), "turn_median_s": _r(mine[1])}
+        for b, theirs in bases.items():
+            if theirs is not None and b != name:
+                row[f"ttft_vs_{b}"] = _r(mine[0] / theirs[0], 3)
+                row[f"turn_vs_{b}"] = _r(mine[1] / theirs[1], 3)
+        out[name] = row
+    return out
+
+
+def render_turn_ratios(ratios: dict[str, Any]) -> str:
+    """Issue 17's end-to-end table: TTFT and whole-turn time at turns >= 2."""
+    lines = [
+        "| config | TTFT median s | turn median s | TTFT x none | turn x none "
+        "| TTFT x native | turn x native |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in ratios.items():
+        cells = [
+            r.get(k, "-")
+            for k in (
+                f"ttft_vs_{BASELINE}",
+                f"turn_vs_{BASELINE}",
+                f"ttft_vs_{NATIVE}",
+                f"turn_vs_{NATIVE}",
+            )
+        ]
+        lines.append(
+            f"| {name} | {r['ttft_median_s']} | {r['turn_median_s']} | "
+            + " | ".join(str(c) for c in cells)
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def _computed_ratio(recs: list[dict[str, Any]], base: list[dict[str, Any]]) -> float | None:
