@@ -175,12 +175,15 @@ class HostStores:
             failures = self.tree.counters.alloc_failures
             start = tracked.next_store_block
             run = self.tree.reserve_kv_run(hashes, part, start, full)
+            kept = run
             if any(row[i] == 0 for row in attention for i, _ in run):
                 # Some block has no device block to copy from: those are rolled back.
-                kept = [(i, s) for i, s in run if all(row[i] for row in attention)]
-                rolled_back = [s for i, s in run if not all(row[i] for row in attention)]
-            else:
-                kept = run
+                kept = []
+                for i, slot in run:
+                    if all(row[i] for row in attention):
+                        kept.append((i, slot))
+                    else:
+                        rolled_back.append(slot)
             if kept:
                 idx = [i for i, _ in kept]
                 plan.kv_stores.extend(

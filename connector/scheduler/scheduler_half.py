@@ -260,9 +260,9 @@ class SchedulerHalf:
         self.counters.steps += 1
         self.stores.plan(plan, scheduler_output)
         storage = self.storage
-        if storage is not None and not scheduler_output.total_num_scheduled_tokens:
-            storage.idle_wait()  # only requests waiting on storage: do not spin
         if storage is not None:
+            if not scheduler_output.total_num_scheduled_tokens:
+                storage.idle_wait()  # only requests waiting on storage: do not spin
             # Before this plan's stores are committed: a fetch reserving slots now can only
             # evict slots of earlier plans, never one this plan stores into.
             plan.fetches, plan.cancels = storage.step()
