@@ -27,6 +27,7 @@ import torch
 
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.host_copy import Runs, copy_rows, find_runs
+from himamba.tiers.native_copy import native_row_copy, stream_min_bytes
 
 
 def _byte_rows(t: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
@@ -151,6 +152,10 @@ class CopyPlan:
     def run_host(self) -> None:
         """Execute on the CPU, on this thread only (``host_copy``)."""
         to_host = self.to_host
+        native = native_row_copy() if self.nbytes >= stream_min_bytes() else None
+        if native is not None and all(g.np_seg is not None for g in self.segments):
+            native.copy_segments(self.segments, to_host)
+            return
         for g in self.segments:
             if g.np_seg is None:
                 for b, s, n in g.runs.runs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,20 @@ def test_core_install_pulls_neither_lmcache_nor_its_dependencies(tmp_path):
     core = resolve(str(REPO), tmp_path)
     assert "himamba" in core and "torch" in core
     assert not core & {"lmcache", "cupy-cuda13x", "google-cloud-bigtable", "awscrt", "grpcio"}
+
+
+def test_wheel_carries_the_native_row_copy_source(tmp_path):
+    """Without its C source an installed package silently copies on the slower numpy path."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--quiet", "-w", str(tmp_path), str(REPO)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("himamba-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+    assert {"himamba/tiers/row_copy.c", "himamba/tiers/native_copy.py"} <= names
 
 
 @pytest.mark.e2e
