@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 import statistics
@@ -70,6 +71,19 @@ def kv_config(config: str, cluster_url: str | None, a: argparse.Namespace) -> di
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
+
+
+def replica_env(replica: int, bind: bool) -> dict[str, str] | None:
+    """Replica ``r``'s compute threads on core ``r`` alone (vLLM's CPU thread binding).
+
+    Unbound, each replica's worker runs an OpenMP team as wide as the machine, and two teams
+    that spin-wait on the same two cores make every step's time depend on what the other
+    replica does (a 128-token step measured 22-600 ms). Bound, each replica owns a core, as
+    replicas on their own machines would; their API servers and the store still share.
+    """
+    if not bind or (os.cpu_count() or 1) < REPLICAS:
+        return None
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(replica)}
 
 
 _HIT = re.compile(r'^vllm:himamba_hit_tokens(?:_total)?\{[^}]*tier="(\w+)"[^}]*\} ([0-9.eE+-]+)$')
@@ -224,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, default=0.5, help="pause between turns")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--bind-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replica r computes on core r alone (as replicas on their own machines would)",
+    )
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
@@ -261,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                 cluster.start()
             kv = kv_config(config, cluster.url if cluster else None, a)
             for r in range(REPLICAS):  # one at a time: two start-ups at once starve 2 cores
-                servers.append(Server.start(settings, kv, work / f"{config}-r{r}.log"))
+                log = work / f"{config}-r{r}.log"
+                servers.append(Server.start(settings, kv, log, replica_env(r, a.bind_cores)))
             info = servers[0].cache_info()
             meta.setdefault("block_size", info.get("block_size"))
             for s in servers:  # first-call costs off the clock; shares no prefix

@@ -142,7 +142,13 @@ class Server:
     startup_s: float
 
     @classmethod
-    def start(cls, s: ServerSettings, kv: dict[str, Any] | None, log: Path) -> Server:
+    def start(
+        cls,
+        s: ServerSettings,
+        kv: dict[str, Any] | None,
+        log: Path,
+        env_extra: dict[str, str] | None = None,
+    ) -> Server:
         port = free_port()
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -170,6 +176,7 @@ class Server:
             ),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            **(env_extra or {}),
         }
         t0 = time.perf_counter()
         with open(log, "w") as out:
