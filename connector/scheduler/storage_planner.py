@@ -62,9 +62,16 @@ class Phase(enum.Enum):
 
 # How long an empty engine step may wait for storage I/O (see ``idle_wait``). An engine whose
 # only requests wait on storage otherwise spins empty steps (scheduler, RPC to every worker)
-# as fast as it can, taking the CPU from the very threads that answer probes and fetches;
-# 2 ms is far below a fetch's own time and caps that spin at a few hundred steps a second.
+# as fast as it can, taking the CPU and the GIL from the very threads that answer probes and
+# fetches. A probe's answer is waited for up to IDLE_PROBE_WAIT_S (the wait ends the moment it
+# comes): with 2 ms, replicas of a fleet on a 2-core box took 150-450 ms for some 22-key
+# probes that the store answers in ~5 ms when left alone (bench_fleet, 4 runs each, 96
+# requests at turns >= 2: median TTFT 0.148 s with 2 ms, 0.117 s with 20 ms; p90 0.50 / 0.41 s).
+# The cost: a request arriving at an engine that is idle but for such probes may wait that
+# long to be scheduled. Fetches are acknowledged in a later step's output, not here, so while
+# only fetches are in flight a step sleeps IDLE_WAIT_S.
 IDLE_WAIT_S = 0.002
+IDLE_PROBE_WAIT_S = 0.02
 
 # How many objects a planner remembers as missing on some rank (oldest forgotten first).
 MISSING_MEMORY = 65536
@@ -230,11 +237,12 @@ class StoragePlanner:
         return self.ledger.take_outbox()
 
     def idle_wait(self) -> None:
-        """The engine scheduled nothing this step: wait up to ``IDLE_WAIT_S`` for the oldest
-        probe's answer, or sleep that long while fetches are in flight (their acks come from
-        the workers with a later step). Nothing runs that the wait could delay."""
+        """The engine scheduled nothing this step: wait up to ``IDLE_PROBE_WAIT_S`` for the
+        oldest probe's answer, or sleep ``IDLE_WAIT_S`` while fetches are in flight (their acks
+        come from the workers with a later step). No request runs that the wait could delay;
+        one that arrives meanwhile waits for it."""
         if self._probe_owner:
-            res = self.store.wait(next(iter(self._probe_owner)), IDLE_WAIT_S)
+            res = self.store.wait(next(iter(self._probe_owner)), IDLE_PROBE_WAIT_S)
             if res is not None:
                 self._on_probe_answer(res)
         elif len(self.ledger):
