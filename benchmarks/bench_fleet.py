@@ -62,7 +62,10 @@ def kv_config(config: str, cluster_url: str | None, a: argparse.Namespace) -> di
         # cluster URLs yet (the spec is exactly what the URL maps to).
         extra = {
             "cpu_cache_gb": a.storage_cpu_cache_gb,
-            "storage": {"adapter": cluster_adapter_spec(cluster_url)},
+            "storage": {
+                "adapter": cluster_adapter_spec(cluster_url),
+                **json.loads(a.storage_extra),
+            },
         }
     return {
         "kv_connector": "HiMambaConnector",
@@ -238,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-s", type=float, default=0.5, help="pause between turns")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--storage-extra", default="{}", help="JSON merged into shared_cluster's storage config"
+    )
     ap.add_argument(
         "--bind-cores",
         action=argparse.BooleanOptionalAction,

@@ -105,6 +105,11 @@ class StorageConfig:
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_ki_token_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
+    # Storage is asked (probe, then fetch) only for a hit that adds at least this many tokens
+    # beyond what the device and the host already hold: a few blocks can recompute faster
+    # than a storage round trip and two engine steps. 0 (any gain) by default, as before;
+    # the reference's is 256, which a fleet on one store may want (docs/BENCHMARKS.md).
+    prefetch_threshold_tokens: int = 0
     # Adapters have no timeouts of their own (a dead Redis hangs a load forever): ours bounds each.
     op_deadline_s: float = 5.0
     # Consecutive failed ops before the breaker opens; small because every failure costs a deadline.
@@ -214,6 +219,9 @@ class StorageConfig:
             raise _err("write_policy", f"{policy!r} is not one of {', '.join(WRITE_POLICIES)}")
         kw["write_policy"] = WritePolicy(policy)
         kw["write_threshold"] = _int(d, "write_threshold", cls.write_threshold, minimum=1)
+        kw["prefetch_threshold_tokens"] = _int(
+            d, "prefetch_threshold_tokens", cls.prefetch_threshold_tokens, minimum=0
+        )
         policy = d.get("prefetch_policy", cls.prefetch_policy)
         if policy not in PREFETCH_POLICIES:
             raise _err(

@@ -32,6 +32,7 @@ class SchedulerCounters(Counters):
     storage_fetch_failed: int = 0
     storage_fetch_no_space: int = 0
     storage_fetch_shortened: int = 0
+    storage_fetch_below_threshold: int = 0  # a storage hit that would add too little
     storage_fetches_abandoned: int = 0
     # A waiting request's deadline passed while it was in this phase.
     storage_probing_timeouts: int = 0

@@ -100,7 +100,15 @@ class SchedulerHalf:
     def new_planner(self, cfg: StorageConfig, store: ByteStore, world_size: int) -> StoragePlanner:
         """A planner over ``store`` in this scheduler's storage generation (a new planner id;
         the epoch and the fetch-id space carry over)."""
-        return StoragePlanner(cfg, store, self.tree, self.counters, self.generations, world_size)
+        return StoragePlanner(
+            cfg,
+            store,
+            self.tree,
+            self.counters,
+            self.generations,
+            world_size,
+            block_size=self.layout.block_size,
+        )
 
     def attach_storage(self, planner: StoragePlanner) -> None:
         """Storage behind the CPU tier; its write policy decides when host objects reach it."""
@@ -156,7 +164,8 @@ class SchedulerHalf:
         if max_blocks <= 0:
             return
         part = request_partition(request)
-        if self.tree.match(hashes, part, 0, max_blocks).host_num_blocks < max_blocks:
+        host_blocks = self.tree.match(hashes, part, 0, max_blocks).host_num_blocks
+        if self.storage.worth_probing(host_blocks, max_blocks):
             tag = self.lora.tag(request.lora_request)
             self.storage.begin(
                 request.request_id, hashes[:max_blocks], part, request.num_tokens, tag
@@ -180,7 +189,8 @@ class SchedulerHalf:
             self.tree.mark_device(hashes, part, start, mamba=True)
         self.counters.lookups += 1
         result = self.tree.match(hashes, part, start, max_blocks)
-        if storage is not None and result.host_num_blocks < max_blocks:
+        have = max(result.host_num_blocks, start)
+        if storage is not None and storage.worth_probing(have, max_blocks):
             if not storage.known(req_id):
                 tag = self.lora.tag(request.lora_request)
                 storage.begin(req_id, hashes[:max_blocks], part, request.num_tokens, tag)

@@ -116,8 +116,11 @@ class StoragePlanner:
         counters: SchedulerCounters,
         generations: StorageGenerations,
         world_size: int = 1,
+        block_size: int = 1,
     ) -> None:
         self.cfg = cfg
+        # Blocks a storage hit must add to be probed and fetched (prefetch_threshold_tokens).
+        self.min_gain_blocks = max(1, -(-cfg.prefetch_threshold_tokens // block_size))
         self.store = store
         self.tree = tree
         self.counters = counters
@@ -161,6 +164,10 @@ class StoragePlanner:
         self._probe_owner[st.probe_task] = req_id
         self._requests[req_id] = st
         self.counters.storage_probes += 1
+
+    def worth_probing(self, have_blocks: int, max_blocks: int) -> bool:
+        """Could storage add enough to a request that already has ``have_blocks``?"""
+        return max_blocks - have_blocks >= self.min_gain_blocks
 
     def known(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -329,7 +336,11 @@ class StoragePlanner:
         """Reserve host slots for the storage-only part of the deepest hit that fits."""
         start = st.start_block or 0
         res = self.tree.match(st.hashes, st.partition, start, len(st.hashes))
-        if res.num_blocks <= max(res.host_num_blocks, start):
+        have = max(res.host_num_blocks, start)
+        if res.num_blocks <= have:
+            return False
+        if res.num_blocks - have < self.min_gain_blocks:
+            self.counters.storage_fetch_below_threshold += 1
             return False
         tree, hashes, part = self.tree, st.hashes, st.partition
         pin = tree.pin(hashes, part, res.num_blocks)
@@ -354,11 +365,19 @@ class StoragePlanner:
             if mamba_slot is not None:
                 target = end
                 break
+        below = bool(target) and target - have < self.min_gain_blocks
+        if below:  # shortened (no room) below the threshold: not worth the round trip
+            if mamba_slot is not None:
+                tree.complete_store([], [mamba_slot], ok=False)
+            target, mamba_slot = 0, None
         keep = [(i, s) for i, s in reserved if i < target]
         tree.complete_store([s for i, s in reserved if i >= target], [], ok=False)
         if not target:
             tree.unlock(pin)
-            self.counters.storage_fetch_no_space += 1
+            if below:
+                self.counters.storage_fetch_below_threshold += 1
+            else:
+                self.counters.storage_fetch_no_space += 1
             return False
         if target != res.num_blocks:
             narrower = tree.pin(hashes, part, target)

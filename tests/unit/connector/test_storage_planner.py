@@ -13,6 +13,7 @@ from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.generations import StorageGenerations
 from himamba.connector.scheduler.storage_planner import StoragePlanner
 from himamba.connector.tree import HybridRadixTree
+from himamba.connector.tree.invariants import check_invariants
 from himamba.tiers.storage_config import StorageConfig
 
 NUM_BLOCKS = 4
@@ -63,11 +64,14 @@ def hashes(tag: int) -> list[bytes]:
     return [bytes([tag, i]) * 16 for i in range(NUM_BLOCKS)]
 
 
-def planner(store: ScriptedStore, world_size: int = 1, **storage: object) -> StoragePlanner:
+def planner(
+    store: ScriptedStore, world_size: int = 1, block_size: int = 1, **storage: object
+) -> StoragePlanner:
     cfg = StorageConfig.from_dict({"url": "file:///unused", **storage})
     tree = HybridRadixTree(32, 8)
     counters = SchedulerCounters()
-    return StoragePlanner(cfg, store, tree, counters, StorageGenerations(), world_size)
+    gens = StorageGenerations()
+    return StoragePlanner(cfg, store, tree, counters, gens, world_size, block_size=block_size)
 
 
 def ack_all(p: StoragePlanner, ranks_ok: dict[int, bool], first_item_only: bool = True) -> None:
@@ -173,3 +177,35 @@ def test_a_lookup_whose_probe_is_out_answers_ask_again_once_the_wait_budget_is_s
     p.step()  # a new step: a new budget
     assert not p.still_probing("a")
     assert not p.still_probing("unknown")
+
+
+def test_a_storage_hit_adding_less_than_the_threshold_is_not_fetched() -> None:
+    """``prefetch_threshold_tokens``: 48 tokens = 3 blocks of 16. A request whose device hit
+    leaves storage only 2 blocks to add takes what it has; one with 3 to gain is fetched.
+    Nothing is left reserved or pinned by the one that was not."""
+    p = planner(ScriptedStore(), block_size=16, prefetch_threshold_tokens=48)
+    assert p.worth_probing(1, NUM_BLOCKS) and not p.worth_probing(2, NUM_BLOCKS)
+    p.begin("a", hashes(6), None, 1000)
+    assert not p.must_wait("a", 2, NUM_BLOCKS)  # vLLM's device holds 2 of 4: 2 to gain
+    assert p.step() == ([], [])
+    assert p.counters["storage_fetch_below_threshold"] == 1
+    check_invariants(p.tree)
+    st = p.tree.stats()
+    assert (st["pending_stores"], st["host_kv_used"], st["pins"]) == (0, 0, 0)
+    p.forget("a")
+    p.begin("b", hashes(7), None, 1000)
+    assert p.must_wait("b", 1, NUM_BLOCKS)  # 3 to gain: fetched
+    orders, _ = p.step()
+    assert [it.block_hash for it in orders[0].items if it.kind == ObjectKind.KV] == hashes(7)[1:]
+    for order in orders:
+        ok = (True,) * len(order.items)
+        p.on_acks([FetchAck(order.fetch_id, order.generation.planner, 0, ok)])
+    assert not p.must_wait("b", 1, NUM_BLOCKS)  # fetched: the request goes ahead
+    p.forget("b")
+    assert p.leak_report() == {
+        "storage_requests": 0,
+        "storage_probes_pending": 0,
+        "storage_fetches_open": 0,
+        "storage_fetch_slots_held": 0,
+    }
+    check_invariants(p.tree)

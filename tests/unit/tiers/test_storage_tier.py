@@ -378,6 +378,10 @@ def test_breaker_opens_after_n_failures_and_recovers_via_probe():
         ({"url": "/x", "adapter_put_depth": 0}, "storage.adapter_put_depth: must be >= 1"),
         ({"url": "/x", "thread_nice": -5}, "storage.thread_nice: must be >= 0"),
         ({"url": "/x", "thread_nice": 20}, "storage.thread_nice: must be <= 19"),
+        (
+            {"url": "/x", "prefetch_threshold_tokens": -1},
+            "storage.prefetch_threshold_tokens: must be >= 0",
+        ),
         ({"url": "/x", "checksum": "xxh3"}, "storage.checksum: 'xxh3' is not one of xxh3_128"),
         ({"url": "/x", "checksum": None}, "storage.checksum: None is not one of"),
         (
