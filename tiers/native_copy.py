@@ -95,11 +95,20 @@ class NativeRowCopy:
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         fn = lib.himamba_copy_rows
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_uint64,
+            ctypes.c_int,
+        ]
         fn.restype = ctypes.c_uint64
         self._fn = fn
         self.path = path
-        self._self_test()
+        self.isa = 0  # the best the CPU has; tests set 1 (SSE2) to check the other path
+        for isa in (1, 0):
+            self.isa = isa
+            self._self_test()
 
     def _self_test(self) -> None:
         rng = np.random.default_rng(0)
@@ -123,7 +132,7 @@ class NativeRowCopy:
         if not (len(dst) == len(nbytes) == rows):
             raise ValueError("address arrays differ in length")
         if rows:
-            self._fn(src.ctypes.data, dst.ctypes.data, nbytes.ctypes.data, rows)
+            self._fn(src.ctypes.data, dst.ctypes.data, nbytes.ctypes.data, rows, self.isa)
 
     def copy_segments(self, segments: Sequence[SegmentRuns], to_host: bool) -> None:
         """A plan's segments (all with numpy views of the cache) in one call."""

@@ -43,8 +43,12 @@ def _caches(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _run(seed: int, native: bool, monkeypatch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _run(
+    seed: int, native: bool, monkeypatch, isa: int = 0
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     helper = native_copy.native_row_copy() if native else None
+    if helper is not None:
+        helper.isa = isa
     monkeypatch.setattr(transfer, "native_row_copy", lambda: helper)
     monkeypatch.setattr(transfer, "stream_min_bytes", lambda: 0)  # these batches are small
     rng = random.Random(seed)
@@ -71,8 +75,8 @@ def _run(seed: int, native: bool, monkeypatch) -> tuple[dict[str, torch.Tensor],
 def test_native_copies_equal_numpy_copies_on_random_plans(fresh_helper, monkeypatch):
     helper = fresh_helper()
     assert helper is not None and helper.path.exists()
-    for seed in range(20):
-        native, native_raw = _run(seed, True, monkeypatch)
+    for seed in range(20):  # even seeds: the CPU's best (AVX2 here); odd: the SSE2 path
+        native, native_raw = _run(seed, True, monkeypatch, isa=1 if seed % 2 else 0)
         ref, ref_raw = _run(seed, False, monkeypatch)
         for name in ref:
             assert torch.equal(native[name], ref[name]), (seed, name)
