@@ -55,18 +55,10 @@ def kv_config(config: str, cluster_url: str | None, a: argparse.Namespace) -> di
         return None
     extra: dict[str, Any] = {"cpu_cache_gb": a.cpu_cache_gb}
     if config == "shared_cluster":
-        from himamba.tiers.cluster_url import cluster_adapter_spec
-
         assert cluster_url is not None
-        # The adapter spec, not the URL: works whether or not storage_config.py routes
-        # cluster URLs yet (the spec is exactly what the URL maps to).
-        extra = {
-            "cpu_cache_gb": a.storage_cpu_cache_gb,
-            "storage": {
-                "adapter": cluster_adapter_spec(cluster_url),
-                **json.loads(a.storage_extra),
-            },
-        }
+        # What a user writes: the URL (redis+cluster:// -> LMCache's valkey adapter).
+        storage = {"url": cluster_url, **json.loads(a.storage_extra)}
+        extra = {"cpu_cache_gb": a.storage_cpu_cache_gb, "storage": storage}
     return {
         "kv_connector": "HiMambaConnector",
         "kv_connector_module_path": "himamba.connector",
