@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -69,8 +70,17 @@ class PhaseTimes:
     decode: list[float] = dataclasses.field(default_factory=list)
     prefill_connector: list[float] = dataclasses.field(default_factory=list)
     decode_connector: list[float] = dataclasses.field(default_factory=list)
+    # Collector pauses: inside the step (schedule + update), and inside the connector's hooks.
+    prefill_gc: list[float] = dataclasses.field(default_factory=list)
+    decode_gc: list[float] = dataclasses.field(default_factory=list)
+    prefill_connector_gc: list[float] = dataclasses.field(default_factory=list)
+    decode_connector_gc: list[float] = dataclasses.field(default_factory=list)
     prefill_hooks: dict[str, float] = dataclasses.field(default_factory=dict)
     decode_hooks: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Steps that scheduled no token: every waiting request waits for a storage probe's answer
+    # and the connector blocks (``IDLE_PROBE_WAIT_S``) instead of spinning. Nothing runs that
+    # the wait delays, so these are storage latency (``bench_cold_ttft``), not per-step cost.
+    idle: list[float] = dataclasses.field(default_factory=list)
 
     def extend(self, other: PhaseTimes) -> None:
         for f in dataclasses.fields(self):
@@ -82,13 +92,17 @@ class PhaseTimes:
                     mine[k] = mine.get(k, 0.0) + v
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {
+            "idle": {"steps": len(self.idle), "total_ms": 1e3 * sum(self.idle)},
+        }
         for name in ("prefill", "decode"):
             xs = getattr(self, name)
             if not xs:
                 continue
             q = statistics.quantiles(xs, n=10) if len(xs) >= 10 else [max(xs)] * 9
             conn = getattr(self, f"{name}_connector")
+            step_gc = getattr(self, f"{name}_gc")
+            conn_gc = getattr(self, f"{name}_connector_gc")
             out[name] = {
                 "steps": len(xs),
                 "mean_ms": 1e3 * statistics.fmean(xs),
@@ -96,6 +110,10 @@ class PhaseTimes:
                 "p90_ms": 1e3 * q[8],
                 "connector_mean_us": 1e6 * statistics.fmean(conn) if conn else 0.0,
                 "connector_p50_us": 1e6 * statistics.median(conn) if conn else 0.0,
+                # The same without the collector's pauses that fell inside the hooks.
+                "connector_net_us": 1e6 * (sum(conn) - sum(conn_gc)) / len(xs),
+                "gc_ms_per_step": 1e3 * statistics.fmean(step_gc),
+                "mean_net_ms": 1e3 * (sum(xs) - sum(step_gc)) / len(xs),
                 # Each hook's time per step of this phase, largest first.
                 "connector_hooks_us": {
                     hook: 1e6 * dt / len(xs)
@@ -107,28 +125,63 @@ class PhaseTimes:
         return out
 
 
-def timed_scheduler(engine: LifecycleEngine) -> list[float]:
-    """Accumulate the wall time of schedule() + update_from_output() per step."""
+def timed_scheduler(
+    engine: LifecycleEngine, gc_clock: GcClock
+) -> tuple[list[float], list[float], list[int]]:
+    """Accumulate the wall time of schedule() + update_from_output() per step, the
+    collector's pauses inside them, and each step's number of scheduled tokens."""
     sched = engine.scheduler
     per_step: list[float] = []
+    gc_s: list[float] = []
+    tokens: list[int] = []
     real_schedule, real_update = sched.schedule, sched.update_from_output
 
     def schedule(*a: Any, **kw: Any) -> Any:
-        t = time.perf_counter()
+        t, g = time.perf_counter(), gc_clock.total_s
+        out = None
         try:
-            return real_schedule(*a, **kw)
+            out = real_schedule(*a, **kw)
+            return out
         finally:
             per_step.append(time.perf_counter() - t)
+            gc_s.append(gc_clock.total_s - g)
+            tokens.append(0 if out is None else out.total_num_scheduled_tokens)
 
     def update_from_output(*a: Any, **kw: Any) -> Any:
-        t = time.perf_counter()
+        t, g = time.perf_counter(), gc_clock.total_s
         try:
             return real_update(*a, **kw)
         finally:
             per_step[-1] += time.perf_counter() - t
+            gc_s[-1] += gc_clock.total_s - g
 
     sched.schedule, sched.update_from_output = schedule, update_from_output
-    return per_step
+    return per_step, gc_s, tokens
+
+
+class GcClock:
+    """Wall time of the collector's pauses (``gc.callbacks``), by generation. A pause lands
+    in whatever code allocated last, so a gen-1 pass of 20 ms inside one hook would read as
+    that hook's cost; the figures are kept apart so each side is seen for what it is."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.by_gen = [[0, 0.0], [0, 0.0], [0, 0.0]]
+        self._t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        dt = time.perf_counter() - self._t0
+        self.total_s += dt
+        book = self.by_gen[info["generation"]]
+        book[0] += 1
+        book[1] += dt
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
 
 
 class ConnectorClock:
@@ -136,10 +189,12 @@ class ConnectorClock:
     phase, each hook's total (patched on the instance, so the Scheduler's
     ``self.connector.<hook>(...)`` calls go through it)."""
 
-    def __init__(self, engine: LifecycleEngine) -> None:
+    def __init__(self, engine: LifecycleEngine, gc_clock: GcClock) -> None:
         self.step_s = 0.0
+        self.step_gc_s = 0.0  # of which collector pauses
+        self._gc = gc_clock
         self._this_step: dict[str, float] = {}
-        self.by_hook: dict[str, dict[str, float]] = {"prefill": {}, "decode": {}}
+        self.by_hook: dict[str, dict[str, float]] = {"prefill": {}, "decode": {}, "idle": {}}
         conn = engine.scheduler.connector
         if conn is None:
             return
@@ -150,35 +205,39 @@ class ConnectorClock:
 
     def _wrap(self, name: str, real: Any) -> Any:
         def hook(*a: Any, **kw: Any) -> Any:
-            t = time.perf_counter()
+            t, g = time.perf_counter(), self._gc.total_s
             try:
                 return real(*a, **kw)
             finally:
                 dt = time.perf_counter() - t
+                self.step_gc_s += self._gc.total_s - g
                 self.step_s += dt
                 self._this_step[name] = self._this_step.get(name, 0.0) + dt
 
         return hook
 
-    def end_step(self, phase: str) -> float:
+    def end_step(self, phase: str) -> tuple[float, float]:
+        """(connector time, of which collector pauses) of the step that just ended."""
         total, self.step_s = self.step_s, 0.0
+        gc_s, self.step_gc_s = self.step_gc_s, 0.0
         book = self.by_hook[phase]
         for name, dt in self._this_step.items():
             book[name] = book.get(name, 0.0) + dt
         self._this_step.clear()
-        return total
+        return total, gc_s
 
 
 def run_one(
     name: str, spec: EngineSpec, model_config: Any, args: argparse.Namespace, requests: int
 ) -> PhaseTimes:
     engine = LifecycleEngine(spec, model_config, verify=False, describe=False, write=False)
+    gc_clock = GcClock()
     try:
         for i in range(requests):
             prompt = prompt_of(1000 + i, args.prompt_tokens)
             engine.add_request(f"r{i}", prompt, max_tokens=args.max_tokens)
-        per_step = timed_scheduler(engine)
-        clock = ConnectorClock(engine)
+        per_step, step_gc, tokens = timed_scheduler(engine, gc_clock)
+        clock = ConnectorClock(engine, gc_clock)
         times = PhaseTimes()
         decode_steps = 0
         while engine.scheduler.has_requests() and decode_steps < args.decode_steps:
@@ -187,21 +246,30 @@ def run_one(
                 r.is_prefill_chunk for r in engine.scheduler.running
             )
             engine.step()
+            if not tokens[-1]:
+                times.idle.append(per_step[-1])
+                clock.end_step("idle")
+                continue
             phase = "decode" if all_decoding else "prefill"
             getattr(times, phase).append(per_step[-1])
-            getattr(times, f"{phase}_connector").append(clock.end_step(phase))
+            getattr(times, f"{phase}_gc").append(step_gc[-1])
+            conn_s, conn_gc_s = clock.end_step(phase)
+            getattr(times, f"{phase}_connector").append(conn_s)
+            getattr(times, f"{phase}_connector_gc").append(conn_gc_s)
             decode_steps += all_decoding
         if decode_steps < args.decode_steps:
             raise SystemExit(
                 f"{name}: only {decode_steps} steps with all {requests} requests decoding;"
                 " raise --max-tokens"
             )
-        for phase, book in clock.by_hook.items():
+        for phase in ("prefill", "decode"):
+            book = clock.by_hook[phase]
             hooks = getattr(times, f"{phase}_hooks")
             for hook, dt in book.items():
                 hooks[hook] = hooks.get(hook, 0.0) + dt
         return times
     finally:
+        gc_clock.close()
         engine.close()
 
 
@@ -230,7 +298,8 @@ def engine_specs(args: argparse.Namespace, requests: int, store: str) -> dict[st
             base,
             connector_config={
                 "cpu_cache_gb": args.cpu_cache_gb,
-                "storage": {"url": f"file://{store}", "write_through": False},
+                "storage": {"url": f"file://{store}", "write_through": False}
+                | ({} if args.probe_wait_ms is None else {"probe_wait_ms": args.probe_wait_ms}),
             },
         ),
     }
@@ -243,7 +312,8 @@ def print_table(args: argparse.Namespace, results: dict[str, Any]) -> None:
     )
     header = (
         f"{'reqs':>5} {'engine':8} {'phase':8} {'steps':>6} {'mean ms':>9} {'p50 ms':>8} "
-        f"{'p90 ms':>8} {'x none':>7} {'conn us':>8} {'conn %':>7}"
+        f"{'p90 ms':>8} {'x none':>7} {'conn us':>8} {'conn %':>7} {'direct':>7} "
+        f"{'net us':>7} {'dir net':>7} {'gc ms':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -255,11 +325,19 @@ def print_table(args: argparse.Namespace, results: dict[str, Any]) -> None:
                 print(
                     f"{n:>5} {name:8} {phase:8} {p['steps']:6d} {p['mean_ms']:9.3f} "
                     f"{p['p50_ms']:8.3f} {p['p90_ms']:8.3f} {p['x_none']:7.3f} "
-                    f"{p['connector_mean_us']:8.1f} {share:6.1f}%"
+                    f"{p['connector_mean_us']:8.1f} {share:6.1f}% {p['direct']:7.3f} "
+                    f"{p['connector_net_us']:7.1f} {p['direct_net']:7.3f} "
+                    f"{p['gc_ms_per_step']:6.3f}"
                 )
                 top = list(p["connector_hooks_us"].items())[:3]
                 if top:
                     print(" " * 16 + "  ".join(f"{h} {us:.1f}" for h, us in top))
+            idle = r["idle"]
+            if idle["steps"]:
+                print(
+                    f"{'':>5} {name:8} {'idle':8} {idle['steps']:6d} steps scheduled nothing"
+                    f" (waiting for storage answers): {idle['total_ms']:.1f} ms in all"
+                )
 
 
 def main() -> None:
@@ -278,6 +356,11 @@ def main() -> None:
     )
     ap.add_argument(
         "--repeats", type=int, default=3, help="rounds; engines alternate within each round"
+    )
+    ap.add_argument(
+        "--probe-wait-ms",
+        type=float,
+        help="the storage engine's probe_wait_ms (default: the connector's default)",
     )
     ap.add_argument("--out", type=Path, help="write results as JSON here")
     args = ap.parse_args()
@@ -302,7 +385,11 @@ def main() -> None:
         per_engine = {name: pooled[name].summary() | {"wall_s": wall[name]} for name in configs}
         for r in per_engine.values():
             for phase in ("prefill", "decode"):
-                r[phase]["x_none"] = r[phase]["mean_ms"] / per_engine["none"][phase]["mean_ms"]
+                p, none = r[phase], per_engine["none"][phase]
+                p["x_none"] = p["mean_ms"] / none["mean_ms"]
+                # 1 + the connector's own time over vLLM alone's step: the stable figure.
+                p["direct"] = 1 + p["connector_mean_us"] / (1e3 * none["mean_ms"])
+                p["direct_net"] = 1 + p["connector_net_us"] / (1e3 * none["mean_net_ms"])
         results[str(n)] = per_engine
     print_table(args, results)
     if args.out:

@@ -18,6 +18,7 @@ from himamba.connector.config import HiMambaConfig
 from himamba.connector.layout import HybridLayout
 from himamba.connector.protocol import StepPlan
 from himamba.connector.scheduler.counters import SchedulerCounters
+from himamba.connector.scheduler.device_blocks import DeviceBlockIds
 from himamba.connector.scheduler.lora_identity import LoraTags
 from himamba.connector.tree import HybridRadixTree
 from himamba.mamba_state.state_budget import RequestStates, StateBudget
@@ -72,6 +73,7 @@ class HostStores:
         self.lora = lora
         self.budget = StateBudget(layout.block_size, config.checkpoint_interval_tokens)
         self.events: KVEventTracker | None = None
+        self.device_blocks = DeviceBlockIds([g.group_id for g in layout.attention])
         self._tracked: dict[str, _Tracked] = {}
         # Per tracked request: the computed-token count at which its block
         # ``next_store_block`` is full. Below it a step stores nothing for that request,
@@ -164,37 +166,43 @@ class HostStores:
                 full = min(full, last)
             if full <= tracked.next_store_block:
                 continue
-            block_ids = block_state.get_block_ids(req_id)
-            if block_ids is None:
+            start = tracked.next_store_block
+            attention = self.device_blocks.rows(block_state, req_id, start, full)
+            if attention is None:
                 continue
             hashes = block_hashes(request, per_block)
             part = request_partition(request)
-            attention = [block_ids[g.group_id] for g in self.layout.attention]
-            rolled_back = []
+            rolled_back: list[int] = []
+            kept: list[tuple[int, int]]
+            tag = tracked.lora_tag
             events = self.events
             failures = self.tree.counters.alloc_failures
-            start = tracked.next_store_block
             run = self.tree.reserve_kv_run(hashes, part, start, full)
-            kept = run
-            if any(row[i] == 0 for row in attention for i, _ in run):
-                # Some block has no device block to copy from: those are rolled back.
-                kept = []
-                for i, slot in run:
-                    if all(row[i] for row in attention):
-                        kept.append((i, slot))
-                    else:
-                        rolled_back.append(slot)
-            if kept:
+            lo, hi = (run[0][0], run[-1][0] + 1) if run else (0, 0)
+            columns = [row[lo - start : hi - start] for row in attention]
+            if (
+                run
+                and hi - lo == len(run)
+                and all(len(c) == hi - lo and 0 not in c for c in columns)
+            ):
+                # The usual run, one contiguous span with a device block everywhere: slices,
+                # not a Python step per block.
+                kept = run
+                plan.kv_stores.extend([s for _, s in run], columns, hashes[lo:hi], tag)
+            else:
+                kept, rolled_back = self._split_missing(run, attention, start)
                 idx = [i for i, _ in kept]
-                plan.kv_stores.extend(
-                    [s for _, s in kept],
-                    [[row[i] for i in idx] for row in attention],
-                    [hashes[i] for i in idx],
-                    tracked.lora_tag,
-                )
+                if idx:
+                    plan.kv_stores.extend(
+                        [s for _, s in kept],
+                        [[row[i - start] for i in idx] for row in attention],
+                        [hashes[i] for i in idx],
+                        tag,
+                    )
+            if kept:
                 self.counters.kv_blocks_stored += len(kept)
                 if events is not None:
-                    for i in idx:
+                    for i, _ in kept:
                         events.planned_kv(request, i, hashes[i])
             if rolled_back:
                 self.tree.complete_store(rolled_back, [], ok=False)
@@ -204,6 +212,21 @@ class HostStores:
                 # The tier had no room past the last reserved block: try the rest next step
                 # rather than skip it for good.
                 self._stored_through(tracked, run[-1][0] + 1 if run else start, last)
+
+    @staticmethod
+    def _split_missing(
+        run: list[tuple[int, int]], attention: list[list[int]], start: int
+    ) -> tuple[list[tuple[int, int]], list[int]]:
+        """(blocks to store, slots to roll back): a block with no device block in some
+        attention group (id 0) has nothing to copy from. ``attention`` rows begin at
+        block ``start``."""
+        kept, rolled_back = [], []
+        for i, slot in run:
+            if all(row[i - start] for row in attention):
+                kept.append((i, slot))
+            else:
+                rolled_back.append(slot)
+        return kept, rolled_back
 
     def _plan_mamba(self, plan: StepPlan, offloads: dict[str, list[tuple[int, int, int]]]) -> None:
         bs = self.layout.block_size

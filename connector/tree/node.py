@@ -34,7 +34,13 @@ def _has(bit: int) -> bytes:
 
 
 _HAS_LOAD, _HAS_HOST, _HAS_PEND, _HAS_GPU = (_has(b) for b in (LOADABLE, HOST, PENDING, GPU))
+_HAS_SLOT = _has(HOST | PENDING)
 _OR_GPU = bytes(v | GPU for v in range(256))
+# ``retag`` tables of a store's two moves: reserve (+PENDING), commit (-PENDING +HOST) and
+# roll back (-PENDING).
+RESERVE = bytes(v | PENDING for v in range(256))
+COMMIT = bytes((v & ~PENDING) | HOST for v in range(256))
+ROLLBACK = bytes(v & ~PENDING for v in range(256))
 
 
 def common_prefix(a: Sequence[bytes], b: Sequence[bytes], pos: int, k: int) -> int:
@@ -218,6 +224,33 @@ class Node:
         self.n_host += new.translate(_HAS_HOST).count(1) - old.translate(_HAS_HOST).count(1)
         self.n_pend += new.translate(_HAS_PEND).count(1) - old.translate(_HAS_PEND).count(1)
         self.n_gpu += new.translate(_HAS_GPU).count(1) - old.translate(_HAS_GPU).count(1)
+
+    def retag(self, a: int, b: int, table: bytes) -> None:
+        """Map the flags of blocks ``[a, b)`` through ``table`` (a ``bytes.translate`` table)
+        in C-speed passes, counters exact: a store run moves one contiguous span of a node
+        almost always, so per-index bookkeeping (``set_flags``) is the exception."""
+        f = self.flags
+        old = bytes(f[a:b])
+        new = old.translate(table)
+        f[a:b] = new
+        self.n_live += old.count(0) - new.count(0)
+        self.n_load += new.translate(_HAS_LOAD).count(1) - old.translate(_HAS_LOAD).count(1)
+        self.n_host += new.translate(_HAS_HOST).count(1) - old.translate(_HAS_HOST).count(1)
+        self.n_pend += new.translate(_HAS_PEND).count(1) - old.translate(_HAS_PEND).count(1)
+        self.n_gpu += new.translate(_HAS_GPU).count(1) - old.translate(_HAS_GPU).count(1)
+
+    def any_slot(self, a: int, b: int) -> bool:
+        """Does a block of ``[a, b)`` hold a host slot (``HOST`` or ``PENDING``)?"""
+        return bytes(self.flags[a:b]).translate(_HAS_SLOT).count(1) > 0
+
+    def reserve_span(self, a: int, slots: Sequence[int]) -> None:
+        """``reserve(range(a, a + len(slots)), slots)`` without a Python step per block."""
+        b = a + len(slots)
+        assert not self.any_slot(a, b), "block already has a host slot"
+        self.retag(a, b, RESERVE)
+        if self.slots is None:
+            self.slots = array("i", [NO_SLOT]) * len(self.hashes)  # 4 bytes a block
+        self.slots[a:b] = array("i", slots)
 
     def reserve(self, idx: Sequence[int], slots: Sequence[int]) -> None:
         """Blocks ``idx`` get host ``slots`` with a store in flight (``PENDING``). Only for

@@ -17,6 +17,8 @@ allocators, the evictor and the counters, and finishes every public call itself.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from itertools import groupby, repeat
+from operator import itemgetter
 from typing import Any
 
 from .counters import TreeCounters
@@ -24,7 +26,7 @@ from .eviction import EvictionPolicy
 from .forest import Forest
 from .host_eviction import HostEviction
 from .maintenance import Maintenance
-from .node import GPU, HOST, NO_SLOT, PENDING, Node
+from .node import COMMIT, GPU, HOST, NO_SLOT, PENDING, ROLLBACK, Node
 from .slot_allocator import SlotAllocator
 from .tier_marks import fill_absent
 
@@ -99,6 +101,21 @@ class Reservations:
             if x.end <= start:
                 continue
             flags = x.flags
+            lo, hi = max(start - x.start, 0), min(len(flags), end - x.start)
+            if lo < hi and not x.any_slot(lo, hi):
+                # The usual run: every block of the span is new to the host tier.
+                slots = self.evictor.alloc_kv_many(hi - lo)
+                n = len(slots)
+                if n:
+                    x.reserve_span(lo, slots)
+                    pending.update(
+                        zip(slots, zip(repeat(x, n), range(lo, lo + n), strict=True), strict=True)
+                    )
+                    out.extend(zip(range(x.start + lo, x.start + lo + n), slots, strict=True))
+                    self.policy.withdraw_kv(x)
+                if n < hi - lo:
+                    return out
+                continue
             wanted = [
                 i
                 for i in range(max(start - x.start, 0), min(len(flags), end - x.start))
@@ -146,33 +163,31 @@ class Reservations:
         done = 0
         pending_kv, pending_mamba = self.forest.pending_kv, self.forest.pending_mamba
         obs = self.observer
-        # Per node, the blocks whose store ended: their flags move in one pass per node.
-        ended: dict[int, tuple[Node, list[int]]] = {}
-        for slot in kv_slots:
-            entry = pending_kv.pop(slot, None)
-            if entry is None:
-                self.counters.stale_completions += 1
-                continue
-            node, i = entry
-            if ok:
-                if obs is not None:
-                    obs.host_kv(True, node.hashes[i])
+        slots = kv_slots if isinstance(kv_slots, list) else list(kv_slots)
+        entries = list(map(pending_kv.pop, slots, repeat(None)))
+        stale = entries.count(None)
+        self.counters.stale_completions += stale
+        done += len(entries) - stale
+        if not ok:
+            for slot, entry in zip(slots, entries, strict=True):
+                if entry is not None:
+                    entry[0].set_slot(entry[1], NO_SLOT)
+                    self.kv_slots.free(slot)
+        elif obs is not None:
+            for entry in entries:
+                if entry is not None:
+                    obs.host_kv(True, entry[0].hashes[entry[1]])
+        # A plan lists a run's blocks together: their flags move in one pass per run.
+        table = COMMIT if ok else ROLLBACK
+        for node, run in groupby(filter(None, entries), key=itemgetter(0)):
+            idx = [i for _, i in run]
+            lo, hi = min(idx), max(idx) + 1
+            if hi - lo == len(idx):  # the indices are unique: this is the whole span
+                node.retag(lo, hi, table)
             else:
-                node.set_slot(i, NO_SLOT)
-                self.kv_slots.free(slot)
-            mine = ended.get(id(node))
-            if mine is None:
-                ended[id(node)] = (node, [i])
-            else:
-                mine[1].append(i)
-            done += 1
-        for key, (node, idx) in ended.items():
-            f = node.flags
-            if ok:
-                node.set_flags(idx, bytes([(f[i] & ~PENDING) | HOST for i in idx]))
-            else:
-                node.set_flags(idx, bytes([f[i] & ~PENDING for i in idx]))
-            touched[key] = node
+                f = node.flags
+                node.set_flags(idx, bytes([table[f[i]] for i in idx]))
+            touched[id(node)] = node
         for slot in mamba_slots:
             mnode = pending_mamba.pop(slot, None)
             if mnode is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from himamba.connector.scheduler.device_blocks import CHECKED_READS
+
 from .conftest import connector_config
 from .leaks import assert_no_leaks
 from .workload import assert_host_tier_replays, prompt_of
@@ -19,3 +21,8 @@ def test_cpu_tier_hit_restores_exact_bytes(make_engine, async_scheduling):
     # Drop vLLM's own copy, so only the connector can serve the prefix.
     assert_host_tier_replays(engine, "b", prompt, like="a", host_tokens=64)
     assert_no_leaks(engine)
+    # The stores read vLLM's block tables directly, and those reads agreed with vLLM's
+    # public get_block_ids each time they were compared.
+    device_blocks = engine.scheduler.connector.scheduler.stores.device_blocks
+    assert device_blocks.direct
+    assert device_blocks._checks_left < CHECKED_READS
