@@ -42,3 +42,28 @@ def test_a_run_shared_by_two_requests_evicts_the_other_branch_not_the_common_pre
     assert host_blocks(tree, branch_b, None) == [0, 1, 2, 3, 4]
     assert host_blocks(tree, branch_a, None) == [0, 1, 2, 3]
     check_invariants(tree)
+
+
+def test_runs_with_gaps_and_interleaved_commits_keep_flags_and_counters_exact() -> None:
+    """A run over blocks some of which are already on the host reserves only the others
+    (a span split in pieces); commits and rollbacks arrive out of order and interleaved
+    between nodes. The counters kept beside the flags must stay exact throughout."""
+    tree = HybridRadixTree(64, 4)
+    req = chain(12, salt="gaps")
+    first = tree.reserve_kv_run(req, None, 0, 12)
+    mine = [s for i, s in first if i in (2, 3, 7)]
+    tree.complete_store(mine, [])  # blocks 2, 3, 7 on host; the rest rolled back below
+    rest = [s for i, s in first if i not in (2, 3, 7)]
+    tree.complete_store(rest[::-1], [], ok=False)
+    check_invariants(tree)
+    assert host_blocks(tree, req, None) == [2, 3, 7]
+    run = tree.reserve_kv_run(req, None, 0, 12)
+    assert [i for i, _ in run] == [0, 1, 4, 5, 6, 8, 9, 10, 11]
+    check_invariants(tree)
+    slots = [s for _, s in run]
+    tree.complete_store(slots[::2], [], ok=True)  # every other one, then the rest failed
+    check_invariants(tree)
+    tree.complete_store(slots[1::2], [], ok=False)
+    check_invariants(tree)
+    assert host_blocks(tree, req, None) == [0, 2, 3, 4, 6, 7, 9, 11]
+    assert tree.stats()["pending_stores"] == 0
