@@ -31,6 +31,7 @@ from .circuit_breaker import BreakerState, CircuitBreaker
 from .object_format import ObjectKind, StorageKey
 from .storage_config import PrefetchPolicy, StorageConfig
 from .storage_records import Batch, OpKind, StoreStats, Task, TaskError
+from .valkey_lookup import batch_lookups
 
 log = logging.getLogger(__name__)
 _L2 = "lmcache.v1.distributed.l2_adapters"
@@ -49,13 +50,16 @@ def create_lmcache_adapter(spec: dict[str, Any]) -> Any:
     from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
 
     try:
-        return create_l2_adapter_from_registry(get_l2_adapter_config_class(t).from_dict(spec))
+        adapter = create_l2_adapter_from_registry(get_l2_adapter_config_class(t).from_dict(spec))
     except (ImportError, RuntimeError):
         if t != "fs_native":
             raise
         log.warning("fs_native unavailable, using LMCache's pure-Python fs adapter", exc_info=True)
         fs = {"type": "fs", "base_path": spec["base_path"], "relative_tmp_dir": "tmp"}
         return create_lmcache_adapter(fs)
+    if t == "valkey":
+        batch_lookups(adapter)  # one pipelined EXISTS batch per probe (valkey_lookup.py)
+    return adapter
 
 
 class TaskRunner(Protocol):
