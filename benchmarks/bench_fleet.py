@@ -10,8 +10,8 @@ with both replicas started fresh:
 - ``no_connector``: vLLM alone (the device cache only; the replicas share nothing);
 - ``private_cpu``: himamba with a CPU tier per replica (turn t+1 finds turn t only if it comes
   back to the replica that served turn t-1, i.e. up to the end of turn t-1);
-- ``shared_cluster``: himamba with a small CPU tier and storage on a 3-node Redis Cluster on
-  loopback (``redis+cluster://`` -> LMCache's ``valkey`` adapter), shared by both replicas:
+- ``shared_cluster``: himamba with the same CPU tier per replica plus storage on a 3-node Redis
+  Cluster on loopback (``redis+cluster://`` -> LMCache's ``valkey`` adapter), shared by both replicas:
   turn t+1 hits what the other replica wrote at turn t.
 
 Measured per turn: client TTFT (first streamed token), ``cached_tokens`` from the usage, and
@@ -58,7 +58,8 @@ def kv_config(config: str, cluster_url: str | None, a: argparse.Namespace) -> di
         assert cluster_url is not None
         # What a user writes: the URL (redis+cluster:// -> LMCache's valkey adapter).
         storage = {"url": cluster_url, **json.loads(a.storage_extra)}
-        extra = {"cpu_cache_gb": a.storage_cpu_cache_gb, "storage": storage}
+        cpu_gb = a.cpu_cache_gb if a.storage_cpu_cache_gb is None else a.storage_cpu_cache_gb
+        extra = {"cpu_cache_gb": cpu_gb, "storage": storage}
     return {
         "kv_connector": "HiMambaConnector",
         "kv_connector_module_path": "himamba.connector",
@@ -228,7 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--user-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--cpu-cache-gb", type=float, default=0.25)
-    ap.add_argument("--storage-cpu-cache-gb", type=float, default=0.05)
+    ap.add_argument(
+        "--storage-cpu-cache-gb",
+        type=float,
+        default=None,
+        help="shared_cluster's CPU tier (default: --cpu-cache-gb, the private replicas' own: "
+        "the question is what a shared store adds to the tiers a replica already has)",
+    )
     ap.add_argument("--device-blocks", type=int, default=0, help="0: 2 max-length requests")
     ap.add_argument("--settle-s", type=float, default=0.5, help="pause between turns")
     ap.add_argument("--configs", default=",".join(CONFIGS))

@@ -1,0 +1,136 @@
+"""Storage probe latency: how long the scheduler's ``exists`` of one request's keys takes.
+
+A probe asks for every block's KV object and Mamba state of a prompt (2 x blocks keys) and
+sits on the request's path to its first token. Measured through our whole store
+(``LMCacheStore.submit_exists`` then ``wait``: task book, driver thread, adapter, eventfd), on
+a 3-node Redis Cluster on loopback (tests/harness/redis_cluster.py) and a standalone
+redis-server, half of the keys present:
+
+- ``cluster_batched``: the cluster adapter as the connector builds it, with the pipelined
+  lookup of ``tiers/valkey_lookup.py`` (one GLIDE batch per probe);
+- ``cluster_per_key``: the same adapter as LMCache ships it (one ``EXISTS`` future per key);
+- ``resp``: LMCache's RESP adapter on the standalone server (what ``redis://`` uses).
+
+Reps interleaved (A B C A B C ...); median and p90 in ms, ratios against ``cluster_per_key``.
+
+    python -m benchmarks.bench_probe                 # ~20 s on a 2-core VM
+    python -m benchmarks.bench_probe --keys 112,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from himamba.tiers.adapter_health import create_lmcache_adapter
+from himamba.tiers.cluster_url import cluster_adapter_spec
+from himamba.tiers.lmcache_store import LMCacheStore
+from himamba.tiers.object_format import LayoutFingerprint, Namespace, ObjectKind, StorageKey
+from himamba.tiers.storage_config import StorageConfig
+
+
+def per_key_adapter(spec: dict[str, Any]) -> Any:
+    """LMCache's adapter exactly as its factory builds it (no batched lookup)."""
+    from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_class
+    from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+
+    create_lmcache_adapter({"type": "fs", "base_path": tempfile.mkdtemp()}).close()  # imports
+    return create_l2_adapter_from_registry(
+        get_l2_adapter_config_class(spec["type"]).from_dict(spec)
+    )
+
+
+def open_store(where: str | dict, factory: Any = None) -> LMCacheStore:
+    cfg = {"adapter": where} if isinstance(where, dict) else {"url": where}
+    return LMCacheStore(
+        StorageConfig.from_dict({**cfg, "probe_interval_s": 3600, "op_deadline_s": 60.0}),
+        Namespace("bench/model", LayoutFingerprint(16, "float32", (1,))),
+        adapter_factory=factory,
+    )
+
+
+def seed(store: LMCacheStore, keys: list[StorageKey]) -> None:
+    """Write every other key (small objects: a probe's cost does not depend on their size)."""
+    present = keys[::2]
+    bufs = [np.full(64, i % 251, dtype=np.uint8) for i in range(len(present))]
+    res = store.wait(store.submit_put(present, bufs), 60)
+    assert res is not None and res.num_ok == len(present), res
+
+
+def probe_ms(store: LMCacheStore, keys: list[StorageKey]) -> float:
+    t = time.perf_counter()
+    res = store.wait(store.submit_exists(keys), 30)
+    dt = time.perf_counter() - t
+    assert res is not None and res.error is None, res
+    assert list(res.ok) == [i % 2 == 0 for i in range(len(keys))], "wrong probe answer"
+    return 1e3 * dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keys", default="112,512", help="keys per probe (2 x prompt blocks)")
+    ap.add_argument("--reps", type=int, default=40)
+    args = ap.parse_args()
+    from tests.harness.redis_cluster import RedisCluster
+    from tests.harness.redis_server import RedisServer
+
+    if shutil.which("redis-server") is None:
+        sys.exit("redis-server not installed (apt-get install -y redis-server)")
+    root = Path(tempfile.mkdtemp(prefix="bench_probe_"))
+    out: dict[str, Any] = {"reps": args.reps, "cpus": os.cpu_count()}
+    stores: dict[str, LMCacheStore] = {}
+    srv = cluster = None
+    try:
+        (root / "standalone").mkdir()
+        srv = RedisServer(root / "standalone")
+        srv.start()
+        cluster = RedisCluster(root / "cluster")
+        cluster.start()
+        spec = cluster_adapter_spec(cluster.url)
+        stores = {
+            "cluster_batched": open_store(cluster.url),
+            "cluster_per_key": open_store(spec, factory=per_key_adapter),
+            "resp": open_store(srv.url),
+        }
+        for n in (int(x) for x in args.keys.split(",")):
+            keys = [StorageKey(os.urandom(32), ObjectKind.KV) for _ in range(n)]
+            for s in stores.values():
+                seed(s, keys)
+            times: dict[str, list[float]] = {name: [] for name in stores}
+            for _ in range(args.reps):
+                for name, s in stores.items():
+                    times[name].append(probe_ms(s, keys))
+            row: dict[str, Any] = {}
+            for name, xs in times.items():
+                xs.sort()
+                row[name] = {
+                    "median_ms": round(statistics.median(xs), 3),
+                    "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 3),
+                }
+            base = row["cluster_per_key"]["median_ms"]
+            for r in row.values():
+                r["x_cluster_per_key"] = round(r["median_ms"] / base, 3)
+            out[str(n)] = row
+    finally:
+        for s in stores.values():
+            s.close()
+        if cluster is not None:
+            cluster.stop()
+        if srv is not None:
+            srv.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
