@@ -28,7 +28,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,6 +39,31 @@ HERE = Path(__file__).resolve().parent
 
 from benchmarks.bench_storage import StoreRun, _gbps, _ratio, _timed, raw_redis_rep  # noqa: E402
 from himamba.tiers.cluster_url import cluster_adapter_spec  # noqa: E402
+
+
+@contextmanager
+def redis_servers(prefix: str) -> Iterator[tuple[Any, Any]]:
+    """A standalone redis-server and a 3-node cluster on loopback, both gone on exit."""
+    from tests.harness.redis_cluster import RedisCluster
+    from tests.harness.redis_server import RedisServer
+
+    if shutil.which("redis-server") is None:
+        sys.exit("redis-server not installed (apt-get install -y redis-server)")
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    srv = cluster = None
+    try:
+        (root / "standalone").mkdir()
+        srv = RedisServer(root / "standalone")
+        srv.start()
+        cluster = RedisCluster(root / "cluster")
+        cluster.start()
+        yield srv, cluster
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        if srv is not None:
+            srv.kill()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def raw_cluster_rep(cluster, rep: int, objs: list[torch.Tensor]) -> tuple[float, float]:
@@ -72,63 +100,47 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="best of (interleaved reps)")
     ap.add_argument("--checksum", default=None, help="storage.checksum (default: the config's)")
     args = ap.parse_args()
-    from tests.harness.redis_cluster import RedisCluster
-    from tests.harness.redis_server import RedisServer
-
-    if shutil.which("redis-server") is None:
-        sys.exit("redis-server not installed (apt-get install -y redis-server)")
     g = torch.Generator().manual_seed(0)
     n = args.object_kib << 10
     objs = [
         torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for _ in range(args.objects)
     ]
     total = sum(o.nbytes for o in objs)
-    root = Path(tempfile.mkdtemp(prefix="bench_cluster_"))
     out: dict = {"objects": args.objects, "object_bytes": n, "batch": args.batch, "reps": args.reps}
-    srv = cluster = None
     runs: dict = {}
-    try:
-        (root / "standalone").mkdir()
-        srv = RedisServer(root / "standalone")
-        srv.start()
-        cluster = RedisCluster(root / "cluster")
-        cluster.start()
-        standalone_valkey = {
-            "type": "valkey",
-            "startup_nodes": f"{srv.host}:{srv.port}",
-            "num_workers": 4,
-        }
-        runs = {
-            "raw_redis_py": lambda r: raw_redis_rep(srv, r, objs),
-            "raw_redis_py_cluster": lambda r: raw_cluster_rep(cluster, r, objs),
-            "resp": StoreRun(srv.url, total, args.checksum),
-            "valkey_standalone": StoreRun(standalone_valkey, total, args.checksum),
-            "cluster": StoreRun(cluster_adapter_spec(cluster.url), total, args.checksum),
-        }
-        best: dict = {k: [float("inf"), float("inf")] for k in runs}
-        for rep in range(args.reps):
-            for name, r in runs.items():
-                tw, tr = r.rep(rep, objs, args.batch) if isinstance(r, StoreRun) else r(rep)
-                best[name] = [min(best[name][0], tw), min(best[name][1], tr)]
-        for name, (tw, tr) in best.items():
-            out[name] = {"write_GBps": _gbps(total, tw), "read_GBps": _gbps(total, tr)}
-        out["cluster"]["vs_resp"] = _ratio(out["cluster"], out["resp"])
-        out["cluster"]["vs_raw_redis_py_cluster"] = _ratio(
-            out["cluster"], out["raw_redis_py_cluster"]
-        )
-        out["cluster"]["vs_raw_redis_py"] = _ratio(out["cluster"], out["raw_redis_py"])
-        out["valkey_standalone"]["vs_resp"] = _ratio(out["valkey_standalone"], out["resp"])
-        out["resp"]["vs_raw_redis_py"] = _ratio(out["resp"], out["raw_redis_py"])
-        out["keys_per_node_after"] = cluster.keys_per_node()
-    finally:
-        for r in runs.values():
-            if isinstance(r, StoreRun):
-                r.close()
-        if cluster is not None:
-            cluster.stop()
-        if srv is not None:
-            srv.kill()
-        shutil.rmtree(root, ignore_errors=True)
+    with redis_servers("bench_cluster_") as (srv, cluster):
+        try:
+            standalone_valkey = {
+                "type": "valkey",
+                "startup_nodes": f"{srv.host}:{srv.port}",
+                "num_workers": 4,
+            }
+            runs = {
+                "raw_redis_py": lambda r: raw_redis_rep(srv, r, objs),
+                "raw_redis_py_cluster": lambda r: raw_cluster_rep(cluster, r, objs),
+                "resp": StoreRun(srv.url, total, args.checksum),
+                "valkey_standalone": StoreRun(standalone_valkey, total, args.checksum),
+                "cluster": StoreRun(cluster_adapter_spec(cluster.url), total, args.checksum),
+            }
+            best: dict = {k: [float("inf"), float("inf")] for k in runs}
+            for rep in range(args.reps):
+                for name, r in runs.items():
+                    tw, tr = r.rep(rep, objs, args.batch) if isinstance(r, StoreRun) else r(rep)
+                    best[name] = [min(best[name][0], tw), min(best[name][1], tr)]
+            for name, (tw, tr) in best.items():
+                out[name] = {"write_GBps": _gbps(total, tw), "read_GBps": _gbps(total, tr)}
+            out["cluster"]["vs_resp"] = _ratio(out["cluster"], out["resp"])
+            out["cluster"]["vs_raw_redis_py_cluster"] = _ratio(
+                out["cluster"], out["raw_redis_py_cluster"]
+            )
+            out["cluster"]["vs_raw_redis_py"] = _ratio(out["cluster"], out["raw_redis_py"])
+            out["valkey_standalone"]["vs_resp"] = _ratio(out["valkey_standalone"], out["resp"])
+            out["resp"]["vs_raw_redis_py"] = _ratio(out["resp"], out["raw_redis_py"])
+            out["keys_per_node_after"] = cluster.keys_per_node()
+        finally:
+            for r in runs.values():
+                if isinstance(r, StoreRun):
+                    r.close()
     out["cpus"] = os.cpu_count()
     print(json.dumps(out, indent=1))
 

@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks.bench_cluster_storage import redis_servers
 from himamba.tiers.adapter_health import create_lmcache_adapter
 from himamba.tiers.cluster_url import cluster_adapter_spec
 from himamba.tiers.lmcache_store import LMCacheStore
@@ -76,59 +74,49 @@ def probe_ms(store: LMCacheStore, keys: list[StorageKey]) -> float:
     return 1e3 * dt
 
 
+def probe_row(stores: dict[str, LMCacheStore], n: int, reps: int) -> dict[str, Any]:
+    """Median and p90 of ``reps`` interleaved probes of ``n`` keys on each store."""
+    keys = [StorageKey(os.urandom(32), ObjectKind.KV) for _ in range(n)]
+    for s in stores.values():
+        seed(s, keys)
+    times: dict[str, list[float]] = {name: [] for name in stores}
+    for _ in range(reps):
+        for name, s in stores.items():
+            times[name].append(probe_ms(s, keys))
+    row: dict[str, Any] = {}
+    for name, xs in times.items():
+        xs.sort()
+        row[name] = {
+            "median_ms": round(statistics.median(xs), 3),
+            "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 3),
+        }
+    base = row["cluster_per_key"]["median_ms"]
+    for r in row.values():
+        r["x_cluster_per_key"] = round(r["median_ms"] / base, 3)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keys", default="112,512", help="keys per probe (2 x prompt blocks)")
     ap.add_argument("--reps", type=int, default=40)
     args = ap.parse_args()
-    from tests.harness.redis_cluster import RedisCluster
-    from tests.harness.redis_server import RedisServer
-
-    if shutil.which("redis-server") is None:
-        sys.exit("redis-server not installed (apt-get install -y redis-server)")
-    root = Path(tempfile.mkdtemp(prefix="bench_probe_"))
     out: dict[str, Any] = {"reps": args.reps, "cpus": os.cpu_count()}
     stores: dict[str, LMCacheStore] = {}
-    srv = cluster = None
-    try:
-        (root / "standalone").mkdir()
-        srv = RedisServer(root / "standalone")
-        srv.start()
-        cluster = RedisCluster(root / "cluster")
-        cluster.start()
-        spec = cluster_adapter_spec(cluster.url)
-        stores = {
-            "cluster_batched": open_store(cluster.url),
-            "cluster_per_key": open_store(spec, factory=per_key_adapter),
-            "resp": open_store(srv.url),
-        }
-        for n in (int(x) for x in args.keys.split(",")):
-            keys = [StorageKey(os.urandom(32), ObjectKind.KV) for _ in range(n)]
+    with redis_servers("bench_probe_") as (srv, cluster):
+        try:
+            stores = {
+                "cluster_batched": open_store(cluster.url),
+                "cluster_per_key": open_store(
+                    cluster_adapter_spec(cluster.url), factory=per_key_adapter
+                ),
+                "resp": open_store(srv.url),
+            }
+            for n in (int(x) for x in args.keys.split(",")):
+                out[str(n)] = probe_row(stores, n, args.reps)
+        finally:
             for s in stores.values():
-                seed(s, keys)
-            times: dict[str, list[float]] = {name: [] for name in stores}
-            for _ in range(args.reps):
-                for name, s in stores.items():
-                    times[name].append(probe_ms(s, keys))
-            row: dict[str, Any] = {}
-            for name, xs in times.items():
-                xs.sort()
-                row[name] = {
-                    "median_ms": round(statistics.median(xs), 3),
-                    "p90_ms": round(xs[int(0.9 * (len(xs) - 1))], 3),
-                }
-            base = row["cluster_per_key"]["median_ms"]
-            for r in row.values():
-                r["x_cluster_per_key"] = round(r["median_ms"] / base, 3)
-            out[str(n)] = row
-    finally:
-        for s in stores.values():
-            s.close()
-        if cluster is not None:
-            cluster.stop()
-        if srv is not None:
-            srv.kill()
-        shutil.rmtree(root, ignore_errors=True)
+                s.close()
     print(json.dumps(out, indent=1))
 
 
