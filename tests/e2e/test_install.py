@@ -4,6 +4,7 @@ the ``storage`` extra, and asking for it without the extra fails at start-up nam
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -43,9 +44,15 @@ def test_core_install_pulls_neither_lmcache_nor_its_dependencies(tmp_path):
 
 def test_wheel_carries_the_native_row_copy_source(tmp_path):
     """Without its C source an installed package silently copies on the slower numpy path."""
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources.
+    src = tmp_path / "src"
+    for pkg in ("connector", "mamba_state", "tiers"):
+        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--quiet", "-w", str(tmp_path), str(REPO)],
+         "--quiet", "-w", str(tmp_path), str(src)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
