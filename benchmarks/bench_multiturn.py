@@ -39,7 +39,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from benchmarks.multiturn_report import (  # noqa: E402
     plot,
     render_table,
     render_turn_ratios,
+    summarize,
     throughput,
     token_mismatches,
     ttft_ratios,
@@ -342,52 +343,6 @@ def run(a: argparse.Namespace) -> int:
     summary = summarize(configs, w, settings, conn, device, a.goal)
     summary["wall_s"] = round(time.perf_counter() - t_all, 1)
     return finish(summary, configs, a)
-
-
-def summarize(
-    configs: dict[str, dict[str, Any]],
-    w: Workload,
-    s: ServerSettings,
-    c: ConnectorSettings,
-    device: dict[str, Any] | None,
-    goal: float,
-) -> dict[str, Any]:
-    ref, mismatches = token_mismatches(configs)
-    working_set = w.system_tokens + w.conversations * (
-        w.final_prompt_tokens() + w.output_tokens - w.system_tokens
-    )
-    return {
-        "workload": {
-            **asdict(w),
-            "final_prompt_tokens": w.final_prompt_tokens(),
-            "repeats": max((len(c.get("runs", [])) for c in configs.values()), default=0),
-        },
-        "server": {
-            "model": str(s.model),
-            "max_model_len": s.max_model_len,
-            "max_num_seqs": s.max_num_seqs,
-            "device_blocks": s.device_blocks,
-            "engine_args": list(s.engine_args),
-        },
-        "device_cache": {
-            **(device or {}),
-            "working_set_tokens": working_set,
-            "holds_share_of_working_set": (
-                round(device["kv_cache_size_tokens"] / working_set, 3) if device else None
-            ),
-        },
-        "connector": {**asdict(c), "storage_dir": str(c.storage_dir)},
-        "configs": {
-            name: {k: v for k, v in cfg.items() if k not in ("records",)}
-            for name, cfg in configs.items()
-        },
-        "ttft_ratio_vs_no_connector": ttft_ratios(configs, goal),
-        "turn_ratios": turn_ratios(configs),
-        "tokens_reference": ref,
-        "tokens_identical": not mismatches,
-        "mismatches": [m.as_json() for m in mismatches],
-        "machine": {"nproc": os.cpu_count(), "threads": os.environ.get("OMP_NUM_THREADS")},
-    }
 
 
 def finish(

@@ -6,11 +6,16 @@ without a server.
 
 from __future__ import annotations
 
+import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from benchmarks.multiturn_server import ConnectorSettings, ServerSettings
+    from benchmarks.multiturn_workload import Workload
 
 BASELINE = "no_connector"
 # The second yardstick of issue 17: vLLM's own offloading connector at its defaults.
@@ -330,3 +335,51 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def summarize(
+    configs: dict[str, dict[str, Any]],
+    w: Workload,
+    s: ServerSettings,
+    c: ConnectorSettings,
+    device: dict[str, Any] | None,
+    goal: float,
+) -> dict[str, Any]:
+    """The run's JSON summary: workload, server, device cache, per-configuration results,
+    the ratios the goals are judged on, and whether every configuration's tokens agree."""
+    ref, mismatches = token_mismatches(configs)
+    working_set = w.system_tokens + w.conversations * (
+        w.final_prompt_tokens() + w.output_tokens - w.system_tokens
+    )
+    return {
+        "workload": {
+            **asdict(w),
+            "final_prompt_tokens": w.final_prompt_tokens(),
+            "repeats": max((len(c.get("runs", [])) for c in configs.values()), default=0),
+        },
+        "server": {
+            "model": str(s.model),
+            "max_model_len": s.max_model_len,
+            "max_num_seqs": s.max_num_seqs,
+            "device_blocks": s.device_blocks,
+            "engine_args": list(s.engine_args),
+        },
+        "device_cache": {
+            **(device or {}),
+            "working_set_tokens": working_set,
+            "holds_share_of_working_set": (
+                round(device["kv_cache_size_tokens"] / working_set, 3) if device else None
+            ),
+        },
+        "connector": {**asdict(c), "storage_dir": str(c.storage_dir)},
+        "configs": {
+            name: {k: v for k, v in cfg.items() if k not in ("records",)}
+            for name, cfg in configs.items()
+        },
+        "ttft_ratio_vs_no_connector": ttft_ratios(configs, goal),
+        "turn_ratios": turn_ratios(configs),
+        "tokens_reference": ref,
+        "tokens_identical": not mismatches,
+        "mismatches": [m.as_json() for m in mismatches],
+        "machine": {"nproc": os.cpu_count(), "threads": os.environ.get("OMP_NUM_THREADS")},
+    }
