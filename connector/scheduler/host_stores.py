@@ -177,7 +177,9 @@ class HostStores:
             tag = tracked.lora_tag
             events = self.events
             failures = self.tree.counters.alloc_failures
-            run = self.tree.reserve_kv_run(hashes, part, start, full)
+            # Every slot of the run is committed (build_plan) or rolled back (below) in this
+            # plan, and that settles the path.
+            run = self.tree.reserve_kv_run(hashes, part, start, full, commit_settles=True)
             lo, hi = (run[0][0], run[-1][0] + 1) if run else (0, 0)
             columns = [row[lo - start : hi - start] for row in attention]
             if (

@@ -43,6 +43,24 @@ COMMIT = bytes((v & ~PENDING) | HOST for v in range(256))
 ROLLBACK = bytes(v & ~PENDING for v in range(256))
 
 
+def _deltas(table: bytes) -> list[tuple[int, int, int, int, int] | None]:
+    """Per old flag value: how (live, loadable, host, pending, gpu) counts move when the
+    value becomes ``table[value]`` (None: they do not)."""
+
+    def bits(v: int) -> tuple[int, ...]:
+        return (int(v != 0), int(bool(v & LOADABLE)), int(bool(v & HOST)),
+                int(bool(v & PENDING)), int(bool(v & GPU)))  # fmt: skip
+
+    out: list[tuple[int, int, int, int, int] | None] = []
+    for v in range(256):
+        d = tuple(n - o for n, o in zip(bits(table[v]), bits(v), strict=True))
+        out.append(d if any(d) else None)  # type: ignore[arg-type]
+    return out
+
+
+RETAG_TABLES = {t: _deltas(t) for t in (RESERVE, COMMIT, ROLLBACK)}
+
+
 def common_prefix(a: Sequence[bytes], b: Sequence[bytes], pos: int, k: int) -> int:
     """How many of ``a[:k]`` equal ``b[pos:pos+k]``, given ``a[0] == b[pos]``.
 
@@ -226,18 +244,24 @@ class Node:
         self.n_gpu += new.translate(_HAS_GPU).count(1) - old.translate(_HAS_GPU).count(1)
 
     def retag(self, a: int, b: int, table: bytes) -> None:
-        """Map the flags of blocks ``[a, b)`` through ``table`` (a ``bytes.translate`` table)
-        in C-speed passes, counters exact: a store run moves one contiguous span of a node
-        almost always, so per-index bookkeeping (``set_flags``) is the exception."""
+        """Map the flags of blocks ``[a, b)`` through ``table`` (one of ``RETAG_TABLES``) in
+        C-speed passes, counters exact: a store run moves one contiguous span of a node
+        almost always, so per-index bookkeeping (``set_flags``) is the exception. A span
+        holds one or two distinct flag values, so the counters move once per distinct value
+        by a precomputed delta."""
         f = self.flags
         old = bytes(f[a:b])
-        new = old.translate(table)
-        f[a:b] = new
-        self.n_live += old.count(0) - new.count(0)
-        self.n_load += new.translate(_HAS_LOAD).count(1) - old.translate(_HAS_LOAD).count(1)
-        self.n_host += new.translate(_HAS_HOST).count(1) - old.translate(_HAS_HOST).count(1)
-        self.n_pend += new.translate(_HAS_PEND).count(1) - old.translate(_HAS_PEND).count(1)
-        self.n_gpu += new.translate(_HAS_GPU).count(1) - old.translate(_HAS_GPU).count(1)
+        f[a:b] = old.translate(table)
+        deltas = RETAG_TABLES[table]
+        for v in set(old):
+            d = deltas[v]
+            if d is not None:
+                k = old.count(v)
+                self.n_live += k * d[0]
+                self.n_load += k * d[1]
+                self.n_host += k * d[2]
+                self.n_pend += k * d[3]
+                self.n_gpu += k * d[4]
 
     def any_slot(self, a: int, b: int) -> bool:
         """Does a block of ``[a, b)`` hold a host slot (``HOST`` or ``PENDING``)?"""

@@ -76,7 +76,12 @@ class Reservations:
         return slot
 
     def reserve_kv_run(
-        self, hashes: Sequence[bytes], partition: Hashable, start: int, end: int
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        start: int,
+        end: int,
+        commit_settles: bool = False,
     ) -> list[tuple[int, int]]:
         """See ``HybridRadixTree.reserve_kv_run``."""
         if not 0 <= start < end <= len(hashes):
@@ -88,11 +93,15 @@ class Reservations:
                 x.mark_gpu(upto)
         own = path[-1]
         self.maint.hold_path(own)  # the request's own blocks are no victims of its stores
+        out: list[tuple[int, int]] = []
         try:
-            return self._reserve_run(path, start, end)
+            out = self._reserve_run(path, start, end)
+            return out
         finally:
             self.maint.unhold_path(own)
-            self.maint.settle(own)
+            # A slot reserved in ``own`` makes the commit settle ``own`` (and so its path).
+            if not (commit_settles and out and out[-1][0] >= own.start):
+                self.maint.settle(own)
 
     def _reserve_run(self, path: list[Node], start: int, end: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []

@@ -306,15 +306,25 @@ class HybridRadixTree:
         return slot
 
     def reserve_kv_run(
-        self, hashes: Sequence[bytes], partition: Hashable, start: int, end: int
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        start: int,
+        end: int,
+        commit_settles: bool = False,
     ) -> list[tuple[int, int]]:
         """Host slots for the blocks of ``[start, end)`` a request just computed, in one walk:
         ``(block index, slot)`` for each block not already on host or in flight, in order,
         stopping at the first block no slot can be found for. The request holds blocks
         ``[0, end)`` on GPU, so they are all marked GPU first: an eviction that the
         allocations below cause can then never cut a hole into this path. That path is held
-        for the call: the victims are other paths' blocks, never this request's own."""
-        out = self.stores.reserve_kv_run(hashes, partition, start, end)
+        for the call: the victims are other paths' blocks, never this request's own.
+
+        ``commit_settles``: the caller ends every returned slot with ``complete_store``
+        before the tree is used for anything but more reservations of the same plan (the
+        scheduler's step plan does). The request's path is then put back into the LRUs once,
+        by that commit, instead of once here and again there."""
+        out = self.stores.reserve_kv_run(hashes, partition, start, end, commit_settles)
         self._finish()
         return out
 
