@@ -23,14 +23,12 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
 from benchmarks.bench_cluster_storage import redis_servers
-from himamba.tiers.adapter_health import create_lmcache_adapter
 from himamba.tiers.cluster_url import cluster_adapter_spec
 from himamba.tiers.lmcache_store import LMCacheStore
 from himamba.tiers.object_format import LayoutFingerprint, Namespace, ObjectKind, StorageKey
@@ -39,10 +37,10 @@ from himamba.tiers.storage_config import StorageConfig
 
 def per_key_adapter(spec: dict[str, Any]) -> Any:
     """LMCache's adapter exactly as its factory builds it (no batched lookup)."""
+    import lmcache.v1.distributed.l2_adapters.valkey_l2_adapter  # noqa: F401  (registers it)
     from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_class
     from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
 
-    create_lmcache_adapter({"type": "fs", "base_path": tempfile.mkdtemp()}).close()  # imports
     return create_l2_adapter_from_registry(
         get_l2_adapter_config_class(spec["type"]).from_dict(spec)
     )

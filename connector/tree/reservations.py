@@ -125,11 +125,7 @@ class Reservations:
                 if n < hi - lo:
                     return out
                 continue
-            wanted = [
-                i
-                for i in range(max(start - x.start, 0), min(len(flags), end - x.start))
-                if not flags[i] & (HOST | PENDING)
-            ]
+            wanted = [i for i in range(lo, hi) if not flags[i] & (HOST | PENDING)]
             if not wanted:
                 continue
             slots = self.evictor.alloc_kv_many(len(wanted))
