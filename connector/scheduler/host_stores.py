@@ -35,7 +35,8 @@ def block_hashes(request: Request, per_block: int) -> list[bytes]:
     hashes = request.block_hashes
     if per_block == 1:
         return list(hashes)
-    return [hashes[(i + 1) * per_block - 1] for i in range(len(hashes) // per_block)]
+    # One strided slice (C speed): this runs on every lookup, admission and store run.
+    return list(hashes[per_block - 1 : len(hashes) // per_block * per_block : per_block])
 
 
 def num_hashed_blocks(request: Request, per_block: int) -> int:
@@ -240,12 +241,12 @@ class HostStores:
             by_boundary: dict[int, dict[int, int]] = defaultdict(dict)
             for group_id, block_id, boundary in entries:
                 by_boundary[boundary][group_id] = block_id
-            hashes = block_hashes(tracked.request, self.layout.hashes_per_block)
-            part = request_partition(tracked.request)
+            hashed = num_hashed_blocks(tracked.request, self.layout.hashes_per_block)
+            hashes: list[bytes] | None = None  # built once a state is really reserved
             for boundary, per_group in sorted(by_boundary.items()):
                 n = boundary // bs
                 # Partial-tail (sub-block) states are not hittable at block granularity.
-                if boundary % bs or n == 0 or n > len(hashes):
+                if boundary % bs or n == 0 or n > hashed:
                     continue
                 if any(per_group.get(g, 0) == 0 for g in mamba_groups):
                     self.counters.mamba_incomplete_handoffs += 1
@@ -258,6 +259,9 @@ class HostStores:
                 if not keep:
                     self.counters.mamba_states_skipped += 1
                     continue
+                if hashes is None:
+                    hashes = block_hashes(tracked.request, self.layout.hashes_per_block)
+                part = request_partition(tracked.request)
                 slot = self.tree.reserve_mamba(hashes, part, n)
                 if slot is None:
                     continue  # nothing stored: the budget's book stays as it was

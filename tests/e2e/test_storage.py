@@ -14,7 +14,7 @@ import pytest
 from tests.harness.offline_engine import prompt
 from tests.harness.subprocess_run import run_scenario
 
-pytest_plugins = ("tests.harness.redis_server",)  # redis_server, storage_dir
+pytest_plugins = ("tests.harness.redis_server", "tests.harness.s3_server")  # + s3_server
 pytestmark = pytest.mark.e2e
 
 A_LEN, B_LEN = 1000, 700
@@ -67,6 +67,24 @@ def test_restarted_engine_hits_prefixes_another_process_wrote_to_disk(
     assert read["stats"]["storage_fetches"] == 2
     assert read["worker"]["storage_gets_ok"] >= hit(A_LEN, block) // block + 1
     assert read["worker"]["storage_gets_in_place"] > 0  # read straight into host slots
+    assert read["leaks"]["locked_entries"] == 0 and read["leaks"]["slots_conserved"]
+
+
+def test_restarted_engine_hits_prefixes_written_to_an_s3_object_store(
+    granite_model, prompts, reference, block, s3_server
+):
+    """The same restart through an S3 API (moto's server, LMCache's s3 adapter): what most
+    fleets have for a cold tier. Credentials reach both engines through the environment."""
+    args = {"model": str(granite_model), "prompts": prompts[:2], "extra": extra(s3_server.url)}
+    wrote = run_scenario("storage_writer", args)
+    assert [o["tokens"] for o in wrote["outs"]] == reference[:2]
+    assert wrote["worker"]["storage_puts_ok"] > 0
+    assert s3_server.object_count() >= wrote["worker"]["storage_puts_ok"]
+    read = run_scenario("storage_reader", args)
+    assert [o["cached"] for o in read["outs"]] == [hit(A_LEN, block), hit(B_LEN, block)]
+    assert [o["tokens"] for o in read["outs"]] == reference[:2]
+    assert read["stats"]["storage_fetches"] == 2
+    assert read["worker"]["storage_gets_ok"] >= hit(A_LEN, block) // block + 1
     assert read["leaks"]["locked_entries"] == 0 and read["leaks"]["slots_conserved"]
 
 

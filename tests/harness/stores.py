@@ -17,6 +17,7 @@ from himamba.tiers.lmcache_store import LMCacheStore, TaskResult
 from himamba.tiers.object_format import LayoutFingerprint, Namespace, ObjectKind, StorageKey
 from himamba.tiers.storage_config import StorageConfig
 from tests.harness.redis_server import RedisServer
+from tests.harness.s3_server import S3Server
 
 KV, MAMBA = ObjectKind.KV, ObjectKind.MAMBA
 FP = LayoutFingerprint(16, "bfloat16", (4, 2, 16, 2, 64), ("float32",), ((4, 8, 64),), 0, 1, "NHD")
@@ -66,6 +67,9 @@ def corrupt(where_obj, store: LMCacheStore, key: StorageKey, mutate: Callable[[b
     if isinstance(where_obj, RedisServer):
         c, name = where_obj.client(), store.object_key_string(key)
         c.set(name, mutate(c.get(name)))
+    elif isinstance(where_obj, S3Server):
+        name = store.object_key_string(key)
+        where_obj.put_object(name, mutate(where_obj.get_object(name)))
     else:
         f = file_of(where_obj, store, key)
         f.write_bytes(mutate(f.read_bytes()))
@@ -74,6 +78,8 @@ def corrupt(where_obj, store: LMCacheStore, key: StorageKey, mutate: Callable[[b
 def exists_in_backend(where_obj, store: LMCacheStore, key: StorageKey) -> bool:
     if isinstance(where_obj, RedisServer):
         return bool(where_obj.client().exists(store.object_key_string(key)))
+    if isinstance(where_obj, S3Server):
+        return where_obj.has_object(store.object_key_string(key))
     return file_of(where_obj, store, key).exists()
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("lmcache")
-pytest_plugins = ("tests.harness.redis_server",)  # redis_server, storage_dir
+pytest_plugins = ("tests.harness.redis_server", "tests.harness.s3_server")  # + s3_server
 
 from himamba.tiers.circuit_breaker import BreakerState, CircuitBreaker  # noqa: E402
 from himamba.tiers.lmcache_store import LMCacheStore  # noqa: E402
@@ -31,6 +31,7 @@ from himamba.tiers.object_format import (  # noqa: E402
 from himamba.tiers.storage_config import StorageConfig  # noqa: E402
 from himamba.tiers.storage_records import TaskError  # noqa: E402
 from tests.harness.redis_server import RedisServer  # noqa: E402
+from tests.harness.s3_server import S3Server  # noqa: E402
 from tests.harness.stores import (  # noqa: E402
     KV,
     MAMBA,
@@ -46,12 +47,15 @@ from tests.harness.stores import (  # noqa: E402
 )
 
 
-@pytest.fixture(params=["fs_native", "fs", "redis"])
+@pytest.fixture(params=["fs_native", "fs", "redis", "s3"])
 def backend(request, storage_dir: Path, tmp_path: Path):
     """(where, path-or-server) for each real backend."""
     if request.param == "redis":
         srv = request.getfixturevalue("redis_server")
         return srv.url, srv
+    if request.param == "s3":
+        s3 = request.getfixturevalue("s3_server")
+        return s3.url, s3
     if request.param == "fs":
         return {"type": "fs", "base_path": str(storage_dir), "relative_tmp_dir": "tmp"}, storage_dir
     return f"file://{storage_dir}", storage_dir
@@ -253,6 +257,32 @@ def test_truncated_object_is_a_miss_counted_and_deleted(backend):
     assert eventually(lambda: s.stats.unreadable == 1)
     assert eventually(lambda: not exists_in_backend(obj, s, k))
     s.close()
+
+
+def test_longer_object_never_serves_other_bytes_or_writes_past_the_buffer(backend):
+    """A stored object longer than its reader expects (damaged, or written by something else
+    under our key) is a miss or, where the adapter reads only the expected length (fs), the
+    exact bytes stored; never anything else, and nothing lands past the staging buffer
+    (LMCache's s3 adapter copies GET chunks unbounded: ``s3_bounds`` makes that a miss)."""
+    where, obj = backend
+    s = make_store(where, breaker_cooldown_s=0.2)
+    try:
+        k, d = StorageKey(h(5), KV), payload(5, 32768)
+        assert run(s, s.submit_put([k], [d])).ok == (True,)
+        corrupt(obj, s, k, lambda b: b + bytes(range(256)) * 64)
+        dst = torch.zeros_like(d)
+        (ok,) = run(s, s.submit_get([k], [dst])).ok
+        assert torch.equal(dst, d) if ok else not dst.any()
+        if isinstance(obj, (S3Server, RedisServer)):
+            assert not ok  # both check the length they receive
+        # The store goes on serving exact bytes (a desynced connection is replaced first).
+        assert eventually(lambda: s.breaker_state is BreakerState.CLOSED)
+        k2, d2 = StorageKey(h(6), KV), payload(6, 32768)
+        assert eventually(lambda: run(s, s.submit_put([k2], [d2])).ok == (True,))
+        back = torch.zeros_like(d2)
+        assert run(s, s.submit_get([k2], [back])).ok == (True,) and torch.equal(back, d2)
+    finally:
+        s.close()
 
 
 # ----------------------------------------------------------------------------- outages
