@@ -37,7 +37,15 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 
-from benchmarks.bench_storage import StoreRun, _gbps, _ratio, _timed, raw_redis_rep  # noqa: E402
+from benchmarks.bench_storage import (  # noqa: E402
+    StoreRun,
+    _ratio,
+    _timed,
+    best_of_interleaved,
+    random_objects,
+    raw_redis_rep,
+    throughput_args,
+)
 from himamba.tiers.cluster_url import cluster_adapter_spec  # noqa: E402
 
 
@@ -94,17 +102,11 @@ def raw_cluster_rep(cluster, rep: int, objs: list[torch.Tensor]) -> tuple[float,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--objects", type=int, default=256)
-    ap.add_argument("--object-kib", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=32, help="objects per submitted task")
-    ap.add_argument("--reps", type=int, default=3, help="best of (interleaved reps)")
+    throughput_args(ap, objects=256, batch=32)
     ap.add_argument("--checksum", default=None, help="storage.checksum (default: the config's)")
     args = ap.parse_args()
-    g = torch.Generator().manual_seed(0)
+    objs = random_objects(args)
     n = args.object_kib << 10
-    objs = [
-        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for _ in range(args.objects)
-    ]
     total = sum(o.nbytes for o in objs)
     out: dict = {"objects": args.objects, "object_bytes": n, "batch": args.batch, "reps": args.reps}
     runs: dict = {}
@@ -122,13 +124,7 @@ def main() -> None:
                 "valkey_standalone": StoreRun(standalone_valkey, total, args.checksum),
                 "cluster": StoreRun(cluster_adapter_spec(cluster.url), total, args.checksum),
             }
-            best: dict = {k: [float("inf"), float("inf")] for k in runs}
-            for rep in range(args.reps):
-                for name, r in runs.items():
-                    tw, tr = r.rep(rep, objs, args.batch) if isinstance(r, StoreRun) else r(rep)
-                    best[name] = [min(best[name][0], tw), min(best[name][1], tr)]
-            for name, (tw, tr) in best.items():
-                out[name] = {"write_GBps": _gbps(total, tw), "read_GBps": _gbps(total, tr)}
+            out.update(best_of_interleaved(runs, args.reps, objs, args.batch))
             out["cluster"]["vs_resp"] = _ratio(out["cluster"], out["resp"])
             out["cluster"]["vs_raw_redis_py_cluster"] = _ratio(
                 out["cluster"], out["raw_redis_py_cluster"]

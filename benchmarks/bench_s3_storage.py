@@ -29,7 +29,14 @@ from unittest import mock
 
 import torch
 
-from benchmarks.bench_storage import StoreRun, _gbps, _ratio, _timed
+from benchmarks.bench_storage import (
+    StoreRun,
+    _ratio,
+    _timed,
+    best_of_interleaved,
+    random_objects,
+    throughput_args,
+)
 from tests.harness.s3_server import BUCKET, S3Server, ensure_bucket_host
 
 
@@ -54,19 +61,13 @@ def raw_boto3_rep(srv: S3Server, rep: int, objs: list[torch.Tensor]) -> tuple[fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--objects", type=int, default=64)
-    ap.add_argument("--object-kib", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=16, help="objects per submitted task")
-    ap.add_argument("--reps", type=int, default=3, help="best of (interleaved reps)")
+    throughput_args(ap, objects=64, batch=16)
     args = ap.parse_args()
     ensure_bucket_host()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    g = torch.Generator().manual_seed(0)
+    objs = random_objects(args)
     n = args.object_kib << 10
-    objs = [
-        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for _ in range(args.objects)
-    ]
     total = sum(o.nbytes for o in objs)
     out: dict = {"objects": args.objects, "object_bytes": n, "batch": args.batch, "reps": args.reps}
     srv = S3Server(Path(tempfile.mkdtemp(prefix="bench_s3_")))
@@ -77,13 +78,7 @@ def main() -> None:
         with mock.patch("himamba.tiers.adapter_health.bound_gets", lambda adapter: False):
             runs["adapter_get"] = StoreRun(srv.url, total, None)
         runs["raw_boto3"] = lambda r: raw_boto3_rep(srv, r, objs)
-        best: dict = {k: [float("inf"), float("inf")] for k in runs}
-        for rep in range(args.reps):
-            for name, r in runs.items():
-                tw, tr = r.rep(rep, objs, args.batch) if isinstance(r, StoreRun) else r(rep)
-                best[name] = [min(best[name][0], tw), min(best[name][1], tr)]
-        for name, (tw, tr) in best.items():
-            out[name] = {"write_GBps": _gbps(total, tw), "read_GBps": _gbps(total, tr)}
+        out.update(best_of_interleaved(runs, args.reps, objs, args.batch))
         out["bounded"]["vs_adapter_get"] = _ratio(out["bounded"], out["adapter_get"])
         out["bounded"]["vs_raw_boto3"] = _ratio(out["bounded"], out["raw_boto3"])
     finally:

@@ -163,6 +163,40 @@ def raw_redis_rep(srv, rep: int, objs: list[torch.Tensor]) -> tuple[float, float
     return tw, tr
 
 
+def throughput_args(ap: argparse.ArgumentParser, objects: int, batch: int) -> None:
+    """The options every storage throughput benchmark takes (object count and size, batch)."""
+    ap.add_argument("--objects", type=int, default=objects)
+    ap.add_argument("--object-kib", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=batch, help="objects per submitted task")
+    ap.add_argument("--reps", type=int, default=3, help="best of (interleaved reps)")
+
+
+def random_objects(args: argparse.Namespace) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    n = args.object_kib << 10
+    return [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for _ in range(args.objects)
+    ]
+
+
+def best_of_interleaved(
+    runs: dict, reps: int, objs: list[torch.Tensor], batch: int
+) -> dict[str, dict[str, float]]:
+    """Each run's best write and read GB/s over ``reps`` rounds; the runs alternate within a
+    round, so the machine's drift hits every one alike. A run is a ``StoreRun`` or a callable
+    ``rep -> (write s, read s)``."""
+    best: dict = {k: [float("inf"), float("inf")] for k in runs}
+    for rep in range(reps):
+        for name, r in runs.items():
+            tw, tr = r.rep(rep, objs, batch) if isinstance(r, StoreRun) else r(rep)
+            best[name] = [min(best[name][0], tw), min(best[name][1], tr)]
+    total = sum(o.nbytes for o in objs)
+    return {
+        name: {"write_GBps": _gbps(total, tw), "read_GBps": _gbps(total, tr)}
+        for name, (tw, tr) in best.items()
+    }
+
+
 def _ratio(ours: dict, ref: dict) -> dict:
     keys = ("write_GBps", "read_GBps")
     return {k.replace("GBps", "ratio"): round(ours[k] / ref[k], 3) for k in keys}
@@ -170,21 +204,15 @@ def _ratio(ours: dict, ref: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--objects", type=int, default=256)
-    ap.add_argument("--object-kib", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=32, help="objects per submitted task")
-    ap.add_argument("--reps", type=int, default=3, help="best of (interleaved reps)")
+    throughput_args(ap, objects=256, batch=32)
     ap.add_argument("--dir", default=None, help="directory for files (default: a temp dir)")
     ap.add_argument("--no-redis", action="store_true")
     ap.add_argument(
         "--checksum", default=None, help="storage.checksum (default: the config's default)"
     )
     args = ap.parse_args()
-    g = torch.Generator().manual_seed(0)
+    objs = random_objects(args)
     n = args.object_kib << 10
-    objs = [
-        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for _ in range(args.objects)
-    ]
     root = Path(tempfile.mkdtemp(prefix="bench_storage_", dir=args.dir))
     out: dict = {"objects": args.objects, "object_bytes": n, "batch": args.batch, "reps": args.reps}
     out["checksum"] = args.checksum or StorageConfig.checksum
@@ -215,13 +243,7 @@ def main() -> None:
             runs["raw_redis_py"] = lambda r: raw_redis_rep(srv, r, objs)
             runs["resp"] = StoreRun(srv.url, total, args.checksum)
             runs["resp_in_place"] = StoreRun(srv.url, total, args.checksum, "in_place")
-        best: dict = {k: [float("inf"), float("inf")] for k in runs}
-        for rep in range(args.reps):  # interleaved, so machine noise hits every variant alike
-            for name, r in runs.items():
-                tw, tr = r.rep(rep, objs, args.batch) if isinstance(r, StoreRun) else r(rep)
-                best[name] = [min(best[name][0], tw), min(best[name][1], tr)]
-        for name, (tw, tr) in best.items():
-            out[name] = {"write_GBps": _gbps(total, tw), "read_GBps": _gbps(total, tr)}
+        out.update(best_of_interleaved(runs, args.reps, objs, args.batch))
         variants = ("fs_native", "fs_native_in_place", "fs_native_staged_slot", "fs")
         for name in (*variants, "resp", "resp_in_place"):
             if name in out:
