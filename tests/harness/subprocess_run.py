@@ -109,9 +109,12 @@ class _Zygote:
             text=True,
         )
         assert self.proc.stdout is not None
-        if self.proc.stdout.readline().strip() != "READY":
-            self.proc.kill()
-            self.proc, self.broken = None, True
+        for line in self.proc.stdout:  # an import may print before it is ready
+            if line.strip() == "READY":
+                return
+        self.proc.kill()  # it exited without serving (its error went to stderr)
+        self.proc.wait()
+        self.proc, self.broken = None, True
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
