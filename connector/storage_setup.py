@@ -7,11 +7,11 @@ carry the TP rank, so each worker reads back only its own shard.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from typing import TYPE_CHECKING, Any
 
 from himamba.connector.layout import HybridLayout
+from himamba.tiers.config_fields import installed
 from himamba.tiers.object_format import LayoutFingerprint, Namespace
 from himamba.tiers.storage_config import StorageConfig
 
@@ -41,11 +41,7 @@ def storage_config(raw: dict[str, Any] | None) -> StorageConfig | None:
 def require_storage_extra() -> None:
     """The storage tier runs on LMCache, an optional extra (it pulls ~40 packages a CPU-tier
     user does not need): fail at start-up, naming the extra, rather than deep in an adapter."""
-    try:
-        found = importlib.util.find_spec("lmcache") is not None
-    except ImportError:  # a broken or partial install
-        found = False
-    if not found:
+    if not installed("lmcache"):
         raise ValueError(
             "himamba: kv_connector_extra_config.storage is set but LMCache is not installed; "
             f"the storage tier is an extra: {STORAGE_EXTRA}"

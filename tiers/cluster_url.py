@@ -17,10 +17,10 @@ error that names it. Passwords never appear in an error: messages quote the URL 
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 from urllib.parse import unquote
 
+from .config_fields import installed
 from .redaction import redacted_url
 
 CLUSTER_SCHEMES = {
@@ -120,11 +120,7 @@ def cluster_adapter_spec(
 def require_cluster_client() -> None:
     """Fail at start-up, naming the extra, when LMCache's `valkey` adapter cannot import its
     client: otherwise the breaker would report storage "down" forever for a packaging error."""
-    try:
-        found = importlib.util.find_spec(GLIDE_MODULE) is not None
-    except ImportError:  # an import hook that refuses the module, a broken install
-        found = False
-    if not found:
+    if not installed(GLIDE_MODULE):
         raise _err(
             "a Redis/Valkey Cluster URL needs the Valkey GLIDE client (PyPI valkey-glide-sync), "
             f"which is not installed: {CLUSTER_EXTRA}"

@@ -9,8 +9,18 @@ spells the section (``"storage."``, or ``""`` for the top level).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (a config check at start-up
+    names the missing extra instead of a store failing later)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # an import hook that refuses the module, a broken install
+        return False
 
 
 def _fail(where: str, key: str, what: str) -> ValueError:

@@ -22,11 +22,12 @@ loads.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from .config_fields import installed
 
 S3_EXTRA = "pip install 'himamba[s3]'"
 # Bucket names S3 accepts for virtual-hosted addressing (lowercase DNS labels, 3-63 chars).
@@ -89,9 +90,11 @@ def s3_adapter_spec(url: str, num_workers: int = 4, require_client: bool = True)
         host = f"s3.{region}.amazonaws.com"
     else:
         ep = urlsplit(endpoint)
+        if "@" in ep.netloc:  # never echoed: it may hold a secret
+            raise _err("credentials do not belong in the endpoint either (boto3's chain)")
         if ep.scheme not in ("http", "https") or not ep.hostname:
             raise _err(f"endpoint must be http://HOST[:PORT] or https://..., got {endpoint!r}")
-        if ep.path not in ("", "/") or ep.query or ep.username:
+        if ep.path not in ("", "/") or ep.query:
             raise _err(f"endpoint takes only a scheme, host and port, got {endpoint!r}")
         try:
             port = ep.port
@@ -116,9 +119,5 @@ def require_s3_client() -> None:
     """Fail at start-up, naming the extra, when boto3 (the adapter's credential chain) or
     awscrt (its client) is missing, instead of a store that is "down" forever."""
     for module in ("boto3", "awscrt"):
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ImportError:
-            found = False
-        if not found:
+        if not installed(module):
             raise _err(f"an s3 URL needs the {module} package, which is not installed: {S3_EXTRA}")

@@ -7,7 +7,6 @@ and a typo must fail at startup with a message that names the key, not deep insi
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -18,7 +17,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .cluster_url import cluster_adapter_spec, is_cluster_url
-from .config_fields import number
+from .config_fields import installed, number
 from .object_format import CHECKSUM_ALGOS  # struct/hashlib only: no LMCache, no torch
 from .redaction import REDACTED, SECRET_KEYS, redacted_url
 from .s3_url import is_s3_url, s3_adapter_spec
@@ -377,11 +376,7 @@ def _checksum(name: Any) -> str:
     if name not in CHECKSUMS:
         raise _err("checksum", f"{name!r} is not one of {', '.join(CHECKSUMS)}")
     module = CHECKSUM_ALGOS[name][1]
-    try:
-        missing = importlib.util.find_spec(module) is None
-    except ImportError:  # an import hook that refuses the module outright
-        missing = True
-    if missing:
+    if not installed(module):
         raise _err(
             "checksum",
             f"{name!r} needs the Python package {module!r}, which is not installed "

@@ -365,8 +365,14 @@ SCENARIOS = {
     )
 }
 
-if __name__ == "__main__":
-    name, raw = sys.argv[1], sys.argv[2]
+
+def run(name: str, raw: str) -> None:
+    """Run scenario ``name`` on its JSON arguments and print its ``RESULT`` line (here and in a
+    child forked from ``zygote``)."""
     res = SCENARIOS[name](json.loads(raw))
     res.setdefault("block_size", ENGINE.get("block_size"))
     print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2])

@@ -54,7 +54,7 @@ def run_scenario(
     if faults is None and not env:
         out = _ZYGOTE.run(name, raw, full_env, timeout)
         if out is not None:
-            return _result(out[0], out[1], out[2], f"scenario {name}")
+            return _result(*out, f"scenario {name}")
     argv = ["-m", "tests.harness.scenarios", name, raw]
     return run_script(argv, full_env, timeout, f"scenario {name}")
 

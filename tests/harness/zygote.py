@@ -46,11 +46,8 @@ def _child(req: dict, scenarios) -> None:  # noqa: ANN001 (the scenarios module)
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(f, fd)
             os.close(f)
-        name, raw = req["name"], req["args"]
-        sys.argv = ["tests.harness.scenarios", name, raw]
-        res = scenarios.SCENARIOS[name](json.loads(raw))
-        res.setdefault("block_size", scenarios.ENGINE.get("block_size"))
-        print("RESULT " + json.dumps(res), flush=True)
+        sys.argv = ["tests.harness.scenarios", req["name"], req["args"]]
+        scenarios.run(req["name"], req["args"])
         code = 0
     except BaseException:  # noqa: BLE001 (reported in the child's stderr like a crash would be)
         traceback.print_exc()

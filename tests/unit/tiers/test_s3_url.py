@@ -62,6 +62,10 @@ def test_credentials_in_the_url_are_refused_without_being_echoed():
         StorageConfig.from_dict({"url": "s3://AKIAXXX:s3cr3t@kv-cache?region=r"})
     assert "credentials do not belong in the URL" in str(e.value)
     assert "s3cr3t" not in str(e.value) and "AKIAXXX" not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        StorageConfig.from_dict({"url": "s3://kv-cache?region=r&endpoint=http://u:s3cr3t@h:9000"})
+    assert "credentials do not belong in the endpoint" in str(e.value)
+    assert "s3cr3t" not in str(e.value)
 
 
 def test_a_missing_client_package_names_the_extra(monkeypatch):
