@@ -1,8 +1,8 @@
 """A fleet of two OpenAI-server replicas behind a round-robin client: private tiers vs one
 shared Redis Cluster.
 
-Two replicas of the tiny hybrid run side by side (each its own ``vllm.entrypoints.openai``
-process group). N conversations of R turns share one system prompt; turn t of conversation c
+Two replicas of a small hybrid (``--model``) run side by side (each its own
+``vllm.entrypoints.openai`` process group). N conversations of R turns share one system prompt; turn t of conversation c
 goes to replica (c + t - 1) mod 2, so consecutive turns of a conversation always land on
 different replicas (what a load balancer without session affinity does). Configurations, each
 with both replicas started fresh:
@@ -20,6 +20,10 @@ configurations (exit status 1 otherwise). Goal: turns >= 2, median TTFT of share
 <= 0.5x private_cpu.
 
     python -m benchmarks.bench_fleet --out /tmp/fleet.json --plot /tmp/fleet.png   # ~6 min, 2 cores
+
+``--model big`` runs ``bench_cpu_tier``'s ~90M-parameter hybrid instead of the tiny one (prefill
+then dominates TTFT, as in production; ~4-5 min per configuration at 4 x 4 turns here), and
+``--think-s`` pauses before each request of a client.
 """
 
 from __future__ import annotations
@@ -120,6 +124,8 @@ def run_config(
                     if w.owner(c) != idx:
                         continue
                     replica = (c + turn - 1) % len(servers)
+                    if a.think_s:
+                        time.sleep(a.think_s)  # the user reads the answer, then types
                     prompt = history[c] + w.user_message(c, turn)
                     out = stream_completion(session, servers[replica].base, prompt, w.output_tokens)
                     history[c] = prompt + out["tokens"]
@@ -236,8 +242,22 @@ def main(argv: list[str] | None = None) -> int:
         help="shared_cluster's CPU tier (default: --cpu-cache-gb, the private replicas' own: "
         "the question is what a shared store adds to the tiers a replica already has)",
     )
+    ap.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny | big (bench_cpu_tier's ~90M-param hybrid, where a prefill costs what a "
+        "hit saves in production) or a checkpoint folder",
+    )
     ap.add_argument("--device-blocks", type=int, default=0, help="0: 2 max-length requests")
     ap.add_argument("--settle-s", type=float, default=0.5, help="pause between turns")
+    ap.add_argument(
+        "--think-s",
+        type=float,
+        default=0.0,
+        help="pause before each request of a client (a user's think time). On a box where "
+        "the replicas share cores, >= 1 s keeps one replica's post-request busy-wait (vLLM "
+        "spins 1 s on its message queues) out of the next request's storage I/O",
+    )
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -253,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--plot", type=Path)
     a = ap.parse_args(argv)
-    from benchmarks.bench_cpu_tier import build_model
+    from benchmarks.bench_multiturn import device_blocks_for, model_path
     from tests.harness.redis_cluster import RedisCluster
 
     w = Workload(
@@ -266,16 +286,22 @@ def main(argv: list[str] | None = None) -> int:
         a.output_tokens,
         a.seed,
     )
-    model = build_model("tiny")
-    max_len = 128 * math.ceil((w.final_prompt_tokens() + w.output_tokens + 8) / 128)
+    model, (bs, extra_blocks) = model_path(a.model)
+    max_len = bs * math.ceil((w.final_prompt_tokens() + w.output_tokens + 8) / bs)
     # Enough device blocks for the requests in flight, not for every conversation: a later
-    # turn can only hit through a connector tier (128-token blocks, +2 per request for Mamba).
-    blocks = a.device_blocks or w.clients * (max_len // 128 + 2) + 1
+    # turn can only hit through a connector tier (the guessed block size, + the Mamba groups'
+    # blocks per request).
+    blocks = a.device_blocks or device_blocks_for(w.clients, max_len // bs + extra_blocks)
     settings = ServerSettings(model, max_len, w.clients, blocks)
     work = a.workdir or Path(tempfile.mkdtemp(prefix="bench_fleet_"))
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
-    meta: dict[str, Any] = {"workload": w.__dict__, "device_blocks": blocks, "max_len": max_len}
+    meta: dict[str, Any] = {
+        "workload": w.__dict__,
+        "model": a.model,
+        "device_blocks": blocks,
+        "max_len": max_len,
+    }
     for config in a.configs.split(","):
         cluster = None
         servers: list[Server] = []
