@@ -2,10 +2,10 @@
 shared Redis Cluster.
 
 Two replicas of a small hybrid (``--model``) run side by side (each its own
-``vllm.entrypoints.openai`` process group). N conversations of R turns share one system prompt; turn t of conversation c
-goes to replica (c + t - 1) mod 2, so consecutive turns of a conversation always land on
-different replicas (what a load balancer without session affinity does). Configurations, each
-with both replicas started fresh:
+``vllm.entrypoints.openai`` process group). N conversations of R turns share one system
+prompt; turn t of conversation c goes to replica (c + t - 1) mod 2, so consecutive turns of a
+conversation always land on different replicas (what a load balancer without session affinity
+does). Configurations, each with both replicas started fresh:
 
 - ``no_connector``: vLLM alone (the device cache only; the replicas share nothing);
 - ``private_cpu``: himamba with a CPU tier per replica (turn t+1 finds turn t only if it comes
