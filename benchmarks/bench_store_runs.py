@@ -21,6 +21,11 @@ from typing import Any
 
 from himamba.connector.tree import HybridRadixTree
 
+try:
+    from himamba.connector.tree import StoreCursor
+except ImportError:  # a version before cursors (run in a worktree of it to compare)
+    StoreCursor = None  # type: ignore[assignment,misc]
+
 
 def chain(n: int, salt: str) -> list[bytes]:
     """A request's chained block hashes (distinct prompts: every request its own path)."""
@@ -37,13 +42,18 @@ def one_rep(requests: int, blocks: int, chunk: int) -> tuple[float, int, int]:
     runs = stored = 0
     t = time.perf_counter()
     for hashes in prompts:
+        cursor = StoreCursor() if StoreCursor is not None else None
         for start in range(0, blocks, chunk):
             end = min(start + chunk, blocks)
-            try:
-                run = tree.reserve_kv_run(hashes, None, start, end, commit_settles=True)
-            except TypeError:  # a version without the option
-                run = tree.reserve_kv_run(hashes, None, start, end)
-            state = tree.reserve_mamba(hashes, None, end)
+            if cursor is not None:  # what the scheduler passes: the request's own cursor
+                run = tree.reserve_kv_run(hashes, None, start, end, True, cursor=cursor)
+                state = tree.reserve_mamba(hashes, None, end, cursor=cursor)
+            else:  # a version before cursors
+                try:
+                    run = tree.reserve_kv_run(hashes, None, start, end, commit_settles=True)
+                except TypeError:  # a version without the option
+                    run = tree.reserve_kv_run(hashes, None, start, end)
+                state = tree.reserve_mamba(hashes, None, end)
             tree.complete_store([s for _, s in run], [] if state is None else [state])
             runs += 1
             stored += len(run)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from himamba.connector.config import HiMambaConfig
@@ -20,7 +20,7 @@ from himamba.connector.protocol import StepPlan
 from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.device_blocks import DeviceBlockIds
 from himamba.connector.scheduler.lora_identity import LoraTags
-from himamba.connector.tree import HybridRadixTree
+from himamba.connector.tree import HybridRadixTree, StoreCursor
 from himamba.mamba_state.state_budget import RequestStates, StateBudget
 
 if TYPE_CHECKING:
@@ -31,10 +31,13 @@ if TYPE_CHECKING:
 
 
 def block_hashes(request: Request, per_block: int) -> list[bytes]:
-    """One hash per scheduler block (the last hash inside it chains the whole prefix)."""
+    """One hash per scheduler block (the last hash inside it chains the whole prefix).
+
+    Read it during the call, never change or keep it: with one hash per block it is vLLM's
+    own list (this runs on every lookup, admission and store; the tree copies what it keeps)."""
     hashes = request.block_hashes
     if per_block == 1:
-        return list(hashes)
+        return hashes
     # One strided slice (C speed): this runs on every lookup, admission and store run.
     return list(hashes[per_block - 1 : len(hashes) // per_block * per_block : per_block])
 
@@ -44,12 +47,29 @@ def num_hashed_blocks(request: Request, per_block: int) -> int:
     return len(request.block_hashes) // per_block
 
 
+def _by_boundary(entries: list[tuple[int, int, int]]) -> list[tuple[int, dict[int, int]]]:
+    """vLLM's ``(group, block, boundary)`` hand-offs of one request as ``(boundary, {group:
+    block})``, ascending. Almost always a single boundary: one dict, no sort."""
+    if not entries:
+        return []
+    first = entries[0][2]
+    if all(e[2] == first for e in entries):
+        return [(first, {g: b for g, b, _ in entries})]
+    by: dict[int, dict[int, int]] = defaultdict(dict)
+    for group_id, block_id, boundary in entries:
+        by[boundary][group_id] = block_id
+    return sorted(by.items())
+
+
 @dataclass
 class _Tracked:
     request: Request
     states: RequestStates
+    partition: Hashable
     lora_tag: str = ""
     next_store_block: int = 0
+    # Where its last store ended in the tree: the next one starts its walk there.
+    cursor: StoreCursor = field(default_factory=StoreCursor)
 
 
 def request_partition(request: Request) -> Hashable:
@@ -75,6 +95,7 @@ class HostStores:
         self.budget = StateBudget(layout.block_size, config.checkpoint_interval_tokens)
         self.events: KVEventTracker | None = None
         self.device_blocks = DeviceBlockIds([g.group_id for g in layout.attention])
+        self._mamba_groups = [g.group_id for g in layout.mamba]
         self._tracked: dict[str, _Tracked] = {}
         # Per tracked request: the computed-token count at which its block
         # ``next_store_block`` is full. Below it a step stores nothing for that request,
@@ -87,10 +108,11 @@ class HostStores:
         if request.request_id in self._tracked:
             return
         per_block = self.layout.hashes_per_block
-        known = self.tree.depth(block_hashes(request, per_block), request_partition(request))
+        part = request_partition(request)
+        known = self.tree.depth(block_hashes(request, per_block), part)
         states = self.budget.open(request.num_prompt_tokens, known)
         tag = self.lora.tag(request.lora_request)
-        tracked = _Tracked(request, states, lora_tag=tag)
+        tracked = _Tracked(request, states, part, lora_tag=tag)
         self._tracked[request.request_id] = tracked
         self._stored_through(tracked, 0, self._last_block(request))
 
@@ -172,7 +194,7 @@ class HostStores:
             if attention is None:
                 continue
             hashes = block_hashes(request, per_block)
-            part = request_partition(request)
+            part = tracked.partition
             rolled_back: list[int] = []
             kept: list[tuple[int, int]]
             tag = tracked.lora_tag
@@ -180,7 +202,9 @@ class HostStores:
             failures = self.tree.counters.alloc_failures
             # Every slot of the run is committed (build_plan) or rolled back (below) in this
             # plan, and that settles the path.
-            run = self.tree.reserve_kv_run(hashes, part, start, full, commit_settles=True)
+            run = self.tree.reserve_kv_run(
+                hashes, part, start, full, commit_settles=True, cursor=tracked.cursor
+            )
             lo, hi = (run[0][0], run[-1][0] + 1) if run else (0, 0)
             columns = [row[lo - start : hi - start] for row in attention]
             if (
@@ -233,22 +257,20 @@ class HostStores:
 
     def _plan_mamba(self, plan: StepPlan, offloads: dict[str, list[tuple[int, int, int]]]) -> None:
         bs = self.layout.block_size
-        mamba_groups = [g.group_id for g in self.layout.mamba]
+        mamba_groups = self._mamba_groups
         for req_id, entries in offloads.items():
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
-            by_boundary: dict[int, dict[int, int]] = defaultdict(dict)
-            for group_id, block_id, boundary in entries:
-                by_boundary[boundary][group_id] = block_id
             hashed = num_hashed_blocks(tracked.request, self.layout.hashes_per_block)
             hashes: list[bytes] | None = None  # built once a state is really reserved
-            for boundary, per_group in sorted(by_boundary.items()):
+            for boundary, per_group in _by_boundary(entries):
                 n = boundary // bs
                 # Partial-tail (sub-block) states are not hittable at block granularity.
                 if boundary % bs or n == 0 or n > hashed:
                     continue
-                if any(per_group.get(g, 0) == 0 for g in mamba_groups):
+                blocks = [per_group.get(g, 0) for g in mamba_groups]
+                if 0 in blocks:
                     self.counters.mamba_incomplete_handoffs += 1
                     continue
                 if boundary > tracked.states.prompt_end and not self.config.store_decode_blocks:
@@ -261,11 +283,10 @@ class HostStores:
                     continue
                 if hashes is None:
                     hashes = block_hashes(tracked.request, self.layout.hashes_per_block)
-                part = request_partition(tracked.request)
-                slot = self.tree.reserve_mamba(hashes, part, n)
+                part = tracked.partition
+                slot = self.tree.reserve_mamba(hashes, part, n, cursor=tracked.cursor)
                 if slot is None:
                     continue  # nothing stored: the budget's book stays as it was
-                blocks = [per_group[g] for g in mamba_groups]
                 plan.mamba_stores.add(slot, blocks, hashes[n - 1], tracked.lora_tag)
                 self.counters.mamba_states_stored += 1
                 self.budget.stored(tracked.states, boundary)

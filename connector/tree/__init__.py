@@ -10,7 +10,7 @@ and lock handles) and ``invariants`` (the checker the tests run).
 
 from .invariants import check_invariants
 from .node import ALL_TIERS, GPU, HOST, LOADABLE, NO_SLOT, PENDING, STORAGE
-from .results import LockHandle, MatchResult
+from .results import LockHandle, MatchResult, StoreCursor
 from .slot_allocator import SlotAllocator
 from .tree import HybridRadixTree
 
@@ -26,5 +26,6 @@ __all__ = [
     "LockHandle",
     "MatchResult",
     "SlotAllocator",
+    "StoreCursor",
     "check_invariants",
 ]

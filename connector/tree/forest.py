@@ -56,17 +56,26 @@ class Forest:
         partition: Hashable,
         end: int,
         cuts: Sequence[int] = (),
+        origin: Node | None = None,
     ) -> list[Node]:
         """Create the path of blocks ``[0, end)`` with a node boundary at every value of
         ``cuts`` (ascending, each in ``1..end``); return its nodes top-down, the last one
         holding block ``end - 1``. New blocks have no tier yet.
 
+        ``origin``: a node of this path that ends before ``end`` (the caller checked it with
+        ``on_path``); the walk starts after it and the nodes up to it are left out of the
+        result. The shape produced is the same as from the root.
+
         One walk whatever the number of cuts: O(nodes on the path + cuts + new blocks)."""
-        node = self.roots.get(partition)
-        if node is None:
-            node = self.roots[partition] = Node(None, partition, 0, [])
+        if origin is None:
+            node = self.roots.get(partition)
+            if node is None:
+                node = self.roots[partition] = Node(None, partition, 0, [])
+            pos = 0
+        else:
+            node, pos = origin, origin.start + len(origin.hashes)
         path: list[Node] = []
-        pos, ci, nc = 0, 0, len(cuts)
+        ci, nc = 0, len(cuts)
         while pos < end:
             child = node.child(hashes[pos])
             if child is None:
@@ -108,6 +117,8 @@ class Forest:
                     node.extend(list(hashes[a:b]))
                     node.tombstone = False
                     grow = False
+                    if not path:  # it is ``origin``: now it holds blocks past it
+                        path.append(node)
                     continue
                 child = Node(node, partition, a, list(hashes[a:b]))
                 node.add_child(child)
@@ -115,6 +126,24 @@ class Forest:
                 path.append(child)
                 node = child
         return path
+
+    @staticmethod
+    def on_path(
+        x: Node | None, hashes: Sequence[bytes], partition: Hashable, end: int
+    ) -> Node | None:
+        """``x`` if it is the tree's node holding blocks up to exactly ``end`` of this path
+        (what ``locate`` would find, ending there), else None. Attached nodes have attached
+        ancestors (only leaves are detached) and hashes are chained, so its last hash and
+        its end place it."""
+        if (
+            x is not None
+            and x.parent is not None
+            and x.start + len(x.hashes) == end
+            and x.partition == partition
+            and x.hashes[-1] == hashes[end - 1]
+        ):
+            return x
+        return None
 
     def split(self, node: Node, cuts: Sequence[int]) -> list[Node]:
         """Cut ``node`` before each offset in ``cuts``; return the new heads top-down."""

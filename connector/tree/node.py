@@ -265,7 +265,9 @@ class Node:
 
     def any_slot(self, a: int, b: int) -> bool:
         """Does a block of ``[a, b)`` hold a host slot (``HOST`` or ``PENDING``)?"""
-        return bytes(self.flags[a:b]).translate(_HAS_SLOT).count(1) > 0
+        if not (self.n_host or self.n_pend):  # the usual answer for a store: O(1)
+            return False
+        return self.flags[a:b].translate(_HAS_SLOT).count(1) > 0
 
     def reserve_span(self, a: int, slots: Sequence[int]) -> None:
         """``reserve(range(a, a + len(slots)), slots)`` without a Python step per block."""
@@ -287,6 +289,16 @@ class Node:
         mine = self.slots
         for i, slot in zip(idx, slots, strict=True):
             mine[i] = slot
+
+    def reserve_new(self, slots: Sequence[int]) -> None:
+        """A node just created for a store run: every block is on GPU (the request holds
+        it) with a store in flight into ``slots`` (one per block). What ``mark_gpu`` then
+        ``reserve_span`` would leave, set at once."""
+        n = len(self.hashes)
+        assert len(slots) == n and not self.n_live, "only for a new node, one slot per block"
+        self.flags = bytearray([GPU | PENDING]) * n
+        self.n_live = self.n_gpu = self.n_pend = n
+        self.slots = array("i", slots)
 
     def set_slot(self, i: int, slot: int) -> None:
         if self.slots is None:

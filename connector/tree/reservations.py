@@ -27,8 +27,9 @@ from .forest import Forest
 from .host_eviction import HostEviction
 from .maintenance import Maintenance
 from .node import COMMIT, GPU, HOST, NO_SLOT, PENDING, ROLLBACK, Node
+from .results import StoreCursor
 from .slot_allocator import SlotAllocator
-from .tier_marks import fill_absent
+from .tier_marks import fill_absent, mark_gpu_up
 
 
 class Reservations:
@@ -82,26 +83,77 @@ class Reservations:
         start: int,
         end: int,
         commit_settles: bool = False,
+        cursor: StoreCursor | None = None,
     ) -> list[tuple[int, int]]:
         """See ``HybridRadixTree.reserve_kv_run``."""
         if not 0 <= start < end <= len(hashes):
             raise IndexError((start, end))
-        path = self.forest.ensure_path(hashes, partition, end)
+        forest = self.forest
+        tail = None if cursor is None else forest.on_path(cursor.node, hashes, partition, start)
+        if cursor is not None:
+            origin = tail if start else forest.roots.get(partition)
+            if origin is not None:
+                fast = self._new_leaf_run(origin, hashes, partition, start, end)
+                if fast is not None:
+                    cursor.node = fast[0]
+                    if not commit_settles:
+                        self.maint.settle(fast[0])
+                    return fast[1]
+        if tail is None:
+            path = forest.ensure_path(hashes, partition, end)
+        else:
+            # The previous run's node: it and its ancestors are marked GPU as the walk from
+            # the root would have marked them; the walk starts after it.
+            mark_gpu_up(tail)
+            path = forest.ensure_path(hashes, partition, end, (), tail)
         for x in path:
             upto = min(len(x.hashes), end - x.start)
             if x.n_gpu < upto:
                 x.mark_gpu(upto)
         own = path[-1]
-        self.maint.hold_path(own)  # the request's own blocks are no victims of its stores
+        if cursor is not None:
+            cursor.node = own
+        # The request's own blocks are no victims of its stores. With enough free slots
+        # nothing is evicted, so there is nothing to hold them against.
+        hold = self.kv_slots.num_free < end - start
+        if hold:
+            self.maint.hold_path(own)
         out: list[tuple[int, int]] = []
         try:
             out = self._reserve_run(path, start, end)
             return out
         finally:
-            self.maint.unhold_path(own)
+            if hold:
+                self.maint.unhold_path(own)
             # A slot reserved in ``own`` makes the commit settle ``own`` (and so its path).
             if not (commit_settles and out and out[-1][0] >= own.start):
                 self.maint.settle(own)
+
+    def _new_leaf_run(
+        self, origin: Node, hashes: Sequence[bytes], partition: Hashable, start: int, end: int
+    ) -> tuple[Node, list[tuple[int, int]]] | None:
+        """The usual run of a request that stores as it computes: nothing of ``[start, end)``
+        is in the tree yet, ``origin`` (its previous run's node, or the root when ``start``
+        is 0) cannot grow in place, and there are free slots for every block. Then the run
+        is one new leaf, all of it stored: built in one step, the shape, flags and slots
+        equal to what the general walk leaves. None: not that case (nothing changed)."""
+        n = end - start
+        if (
+            origin.child(hashes[start]) is not None
+            or (origin.parent is not None and origin.kids is None and not origin.mamba)
+            or self.kv_slots.num_free < n
+        ):
+            return None
+        mark_gpu_up(origin)
+        slots = self.kv_slots.alloc_many(n)
+        leaf = Node(origin, partition, start, list(hashes[start:end]))
+        leaf.reserve_new(slots)
+        origin.add_child(leaf)
+        self.forest.num_nodes += 1
+        self.forest.pending_kv.update(
+            zip(slots, zip(repeat(leaf, n), range(n), strict=True), strict=True)
+        )
+        return leaf, list(zip(range(start, end), slots, strict=True))
 
     def _reserve_run(self, path: list[Node], start: int, end: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
@@ -141,18 +193,38 @@ class Reservations:
         return out
 
     def reserve_mamba(
-        self, hashes: Sequence[bytes], partition: Hashable, num_blocks: int, from_device: bool
+        self,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        num_blocks: int,
+        from_device: bool,
+        cursor: StoreCursor | None = None,
     ) -> int | None:
         """See ``HybridRadixTree.reserve_mamba``."""
         if not 1 <= num_blocks <= len(hashes):
             raise IndexError(num_blocks)
-        found = self.forest.locate(hashes, partition, num_blocks)
-        if found is not None and found[0].end == num_blocks and found[0].mamba & (HOST | PENDING):
-            return None
+        forest = self.forest
+        at = None if cursor is None else forest.on_path(cursor.node, hashes, partition, num_blocks)
+        if at is not None:
+            if at.mamba & (HOST | PENDING):
+                return None
+        else:
+            found = forest.locate(hashes, partition, num_blocks)
+            if (
+                found is not None
+                and found[0].end == num_blocks
+                and found[0].mamba & (HOST | PENDING)
+            ):
+                return None
         slot = self.evictor.alloc_state()
         if slot is None:
             return None
-        node = self.forest.ensure_path(hashes, partition, num_blocks, (num_blocks,))[-1]
+        # The allocation may have evicted: the node is trusted only if it still ends there.
+        node = forest.on_path(at, hashes, partition, num_blocks)
+        if node is None:
+            node = forest.ensure_path(hashes, partition, num_blocks, (num_blocks,))[-1]
+        if cursor is not None:
+            cursor.node = node
         if from_device:
             fill_absent(node, len(node.hashes), GPU)
         node.mamba |= PENDING

@@ -10,6 +10,22 @@ from himamba.tiers.object_format import ObjectKind
 from .node import NO_SLOT, Node
 
 
+class StoreCursor:
+    """Where a request's last store ended: the node holding its newest stored block.
+
+    A request stores its blocks in runs (one per prefill chunk or filled decode block), each
+    beginning where the previous one ended, and its Mamba states at those ends. Handing the
+    tree the previous run's node lets it start the next walk there instead of at the root.
+    The tree checks the node before trusting it (still attached, ending at the right block
+    with the right hash, same partition) and walks from the root otherwise, so a stale cursor
+    costs one walk, never a wrong path. Opaque to callers."""
+
+    __slots__ = ("node",)
+
+    def __init__(self) -> None:
+        self.node: Node | None = None
+
+
 @dataclass
 class MatchResult:
     """A hybrid hit: KV for blocks ``[start_block, num_blocks)`` plus the Mamba state at

@@ -29,6 +29,16 @@ def fill_absent(node: Node, upto: int, bit: int) -> None:
         upto = len(x.hashes) if x is not None else 0
 
 
+def mark_gpu_up(node: Node) -> None:
+    """``GPU`` on every block of ``node`` and of its ancestors: a request storing blocks past
+    ``node`` holds this whole prefix in its block table."""
+    x = node
+    while x.parent is not None:
+        if x.n_gpu < len(x.hashes):
+            x.mark_gpu(len(x.hashes))
+        x = x.parent
+
+
 def mark_path(
     forest: Forest,
     policy: EvictionPolicy,

@@ -54,7 +54,7 @@ from .lookups import known_depth
 from .maintenance import Maintenance
 from .node import GPU, HOST, LOADABLE, NO_SLOT, STORAGE, Node
 from .reservations import Reservations
-from .results import HotObject, LockHandle, MatchResult
+from .results import HotObject, LockHandle, MatchResult, StoreCursor
 from .slot_allocator import SlotAllocator
 from .tier_marks import clear_path, mark_path
 
@@ -312,6 +312,7 @@ class HybridRadixTree:
         start: int,
         end: int,
         commit_settles: bool = False,
+        cursor: StoreCursor | None = None,
     ) -> list[tuple[int, int]]:
         """Host slots for the blocks of ``[start, end)`` a request just computed, in one walk:
         ``(block index, slot)`` for each block not already on host or in flight, in order,
@@ -323,8 +324,12 @@ class HybridRadixTree:
         ``commit_settles``: the caller ends every returned slot with ``complete_store``
         before the tree is used for anything but more reservations of the same plan (the
         scheduler's step plan does). The request's path is then put back into the LRUs once,
-        by that commit, instead of once here and again there."""
-        out = self.stores.reserve_kv_run(hashes, partition, start, end, commit_settles)
+        by that commit, instead of once here and again there.
+
+        ``cursor``: the same request's cursor from its previous store (``StoreCursor``); the
+        walk starts at its node when that still ends at ``start``, and it is moved to the
+        node holding block ``end - 1``."""
+        out = self.stores.reserve_kv_run(hashes, partition, start, end, commit_settles, cursor)
         self._finish()
         return out
 
@@ -334,9 +339,12 @@ class HybridRadixTree:
         partition: Hashable,
         num_blocks: int,
         from_device: bool = True,
+        cursor: StoreCursor | None = None,
     ) -> int | None:
-        """A host slot for the Mamba state at boundary ``num_blocks``, or None."""
-        slot = self.stores.reserve_mamba(hashes, partition, num_blocks, from_device)
+        """A host slot for the Mamba state at boundary ``num_blocks``, or None. ``cursor``
+        as for ``reserve_kv_run`` (a state at the end of the run just reserved needs no
+        walk)."""
+        slot = self.stores.reserve_mamba(hashes, partition, num_blocks, from_device, cursor)
         self._finish()
         return slot
 
