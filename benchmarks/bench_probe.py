@@ -13,8 +13,16 @@ redis-server, half of the keys present:
 
 Reps interleaved (A B C A B C ...); median and p90 in ms, ratios against ``cluster_per_key``.
 
+``--file`` instead measures the local file store (``file://``, LMCache's ``fs_native``), where
+a probe's cost is CPU, not network: the process CPU time (every thread) per probe of
+``--keys`` keys, probed one at a time and as a burst of ``--burst`` probes submitted together
+(an engine receiving that many prompts at once; vLLM's scheduler waits for the first ones'
+answers while the store's threads work through the rest, competing with it for the GIL).
+Half of the keys present, as above.
+
     python -m benchmarks.bench_probe                 # ~20 s on a 2-core VM
     python -m benchmarks.bench_probe --keys 112,512
+    python -m benchmarks.bench_probe --file --keys 64 --burst 256
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -94,12 +103,52 @@ def probe_row(stores: dict[str, LMCacheStore], n: int, reps: int) -> dict[str, A
     return row
 
 
+def file_row(store: LMCacheStore, n: int, reps: int, burst: int) -> dict[str, Any]:
+    """Latency and process CPU per probe of ``n`` keys: ``reps`` one at a time, then
+    ``reps // 10 + 1`` bursts of ``burst`` probes submitted together."""
+    keys = [StorageKey(os.urandom(32), ObjectKind.KV, "epoch") for _ in range(n)]
+    seed(store, keys)
+    lat, cpu = [], []
+    for _ in range(reps):
+        c = time.process_time()
+        lat.append(probe_ms(store, keys))
+        cpu.append(1e6 * (time.process_time() - c))
+    burst_ms, burst_cpu = [], []
+    for _ in range(reps // 10 + 1):
+        t, c = time.perf_counter(), time.process_time()
+        ids = [store.submit_exists(keys) for _ in range(burst)]
+        for tid in ids:
+            res = store.wait(tid, 60)
+            assert res is not None and res.error is None, res
+        burst_ms.append(1e3 * (time.perf_counter() - t))
+        burst_cpu.append(1e6 * (time.process_time() - c) / burst)
+    return {
+        "serial_median_ms": round(statistics.median(lat), 3),
+        "serial_cpu_us_per_probe": round(statistics.median(cpu), 1),
+        "burst": burst,
+        "burst_median_ms": round(statistics.median(burst_ms), 1),
+        "burst_cpu_us_per_probe": round(statistics.median(burst_cpu), 1),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keys", default="112,512", help="keys per probe (2 x prompt blocks)")
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--file", action="store_true", help="the local file store (fs_native)")
+    ap.add_argument("--burst", type=int, default=256, help="--file: probes per burst")
     args = ap.parse_args()
     out: dict[str, Any] = {"reps": args.reps, "cpus": os.cpu_count()}
+    if args.file:
+        with tempfile.TemporaryDirectory(prefix="bench_probe_") as d:
+            store = open_store(f"file://{d}")
+            try:
+                for n in (int(x) for x in args.keys.split(",")):
+                    out[f"file_{n}"] = file_row(store, n, args.reps, args.burst)
+            finally:
+                store.close()
+        print(json.dumps(out, indent=1))
+        return
     stores: dict[str, LMCacheStore] = {}
     with redis_servers("bench_probe_") as (srv, cluster):
         try:

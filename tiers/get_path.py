@@ -139,7 +139,10 @@ class GetPath:
                 if any(bits):  # all-miss is not a failure: the keys may simply be gone
                     self._health.outcome(True, "", now - (b.handed_at or now))
                 if kind is BatchKind.LOOKUP:
-                    adapter.submit_unlock(b.okeys)  # native adapters refcount "locks" client-side
+                    # Native adapters refcount the "locks" of the keys a lookup found,
+                    # client-side; the others hold none to release.
+                    if hits:
+                        adapter.submit_unlock([b.okeys[j] for j in sorted(hits)])
                     if b.task.state is TaskState.RUNNING:
                         self.stats.exists_hits += sum(bits)
                         self.stats.exists_misses += len(bits) - sum(bits)

@@ -16,6 +16,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import lru_cache
 
 MAGIC = b"HMBS"
 FORMAT_VERSION = 1
@@ -140,8 +141,12 @@ class StorageKey:
             raise ValueError(f"block_hash must be 1..64 bytes, got {self.block_hash!r}")
 
 
+@lru_cache(maxsize=1024)
 def salt_tag(cache_salt: str) -> str:
-    """Salts are hashed: LMCache puts them in filenames (length, charset) and they may be secret."""
+    """Salts are hashed: LMCache puts them in filenames (length, charset) and they may be secret.
+
+    Memoized: every storage key carries a salt (the generation's epoch), a process sees a handful
+    of distinct ones, and hashing one per key was a third of converting a key for LMCache."""
     return "" if not cache_salt else "s" + _b2(cache_salt.encode())[:8].hex()
 
 
