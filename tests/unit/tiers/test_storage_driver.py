@@ -63,3 +63,25 @@ def test_a_driver_never_started_still_runs_what_was_posted_when_stopped():
     d.post(lambda: ran.append(1))
     assert d.stop(1) and ran == [1]
     d.close()
+
+
+def test_a_burst_of_posted_work_is_interleaved_with_steps_in_order():
+    """An engine that receives hundreds of prompts posts one probe each: the step (which
+    collects answers) must run between slices of the burst, not only after all of it, or the
+    first request waits for the last one's probe to be sent."""
+    log: list[str] = []  # list.append is atomic; only the driver thread appends here
+    d = Driver(step=lambda: log.append("step"), fds=lambda: [])
+    posted = threading.Event()
+    # Queued before the thread starts, as a burst that arrives faster than it is sent.
+    for i in range(40):
+        d.post(lambda n=i: (time.sleep(0.001), log.append(f"p{n}")))
+    d.post(posted.set)
+    d.start()
+    assert posted.wait(10)
+    assert d.stop(5)
+    d.close()
+    work = [e for e in log if e != "step"]
+    assert work == [f"p{i}" for i in range(40)]  # each once, in order
+    last = log.index("p39")
+    steps_inside = log[:last].count("step")
+    assert steps_inside >= 5, log  # 40 ms of work, a step at least every few milliseconds
