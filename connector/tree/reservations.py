@@ -205,17 +205,12 @@ class Reservations:
             raise IndexError(num_blocks)
         forest = self.forest
         at = None if cursor is None else forest.on_path(cursor.node, hashes, partition, num_blocks)
-        if at is not None:
-            if at.mamba & (HOST | PENDING):
-                return None
-        else:
+        x = at
+        if x is None:  # no cursor to trust: find the node ending there, if any
             found = forest.locate(hashes, partition, num_blocks)
-            if (
-                found is not None
-                and found[0].end == num_blocks
-                and found[0].mamba & (HOST | PENDING)
-            ):
-                return None
+            x = found[0] if found is not None and found[0].end == num_blocks else None
+        if x is not None and x.mamba & (HOST | PENDING):
+            return None
         slot = self.evictor.alloc_state()
         if slot is None:
             return None
