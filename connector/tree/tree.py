@@ -36,7 +36,8 @@ Where the rest lives: ``forest.py`` (shape: paths, splits, pending maps), ``evic
 (victim order), ``host_eviction.py`` (freeing host slots), ``reservations.py`` (stores:
 reserve, commit, roll back), ``maintenance.py`` (P and B), ``slot_allocator.py`` (host slot
 indices, quarantine, free journal), ``tier_marks.py`` (GPU / storage bits of a path),
-``locks.py`` (load locks and prefetch pins), ``lookups.py`` (junction depth, popular objects).
+``locks.py`` (load locks and prefetch pins), ``lookups.py`` (the match walk, junction depth,
+popular objects).
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ from .forest import Forest
 from .host_eviction import HostEviction, WriteBack
 from .locks import PathLocks
 from .lookups import hot_objects as popular_objects
-from .lookups import known_depth
+from .lookups import known_depth, longest_hit
 from .maintenance import Maintenance
-from .node import GPU, HOST, LOADABLE, NO_SLOT, STORAGE, Node
+from .node import GPU, HOST, STORAGE, Node
 from .reservations import Reservations
 from .results import HotObject, LockHandle, MatchResult, StoreCursor
 from .slot_allocator import SlotAllocator
@@ -172,90 +173,9 @@ class HybridRadixTree:
         must be in the tree. Refreshes the KV LRU of the hit path and the Mamba LRU of the
         consumed state only."""
         limit = len(hashes) if max_blocks is None else min(max_blocks, len(hashes))
-        res = MatchResult(0, start_block, partition)
-        doomed = self.forest.doomed
-        node = self.forest.roots.get(partition)
-        if node is None:
-            self.counters.misses += 1
-            return res
-        # One walk: each node matched whole adds its slots to the plan as it goes, and the
-        # plan is cut back to the deepest boundary with a state when the walk stops.
-        hit: Node | None = None
-        host_hit: Node | None = None
-        hit_end = host_end = 0
-        kv, storage, boundaries = res.kv_slots, res.storage_blocks, res.boundaries
-        pos, all_host, dict_ = 0, True, dict
-        while pos < limit:
-            kids = node.kids
-            if kids is None:
-                break
-            h = hashes[pos]
-            if kids.__class__ is dict_:
-                child = kids.get(h)  # type: ignore[union-attr]
-                if child is None:
-                    break
-            elif kids.hashes[0] == h:  # type: ignore[union-attr]
-                child = kids  # type: ignore[assignment]
-            else:
-                break
-            if doomed and child in doomed:
-                break
-            ch = child.hashes
-            size = len(ch)
-            if size > limit - pos or ch[-1] != hashes[pos + size - 1]:
-                break  # the query ends or leaves this path inside the node (chained hashes)
-            lo = start_block - pos
-            if lo < size:  # not all of it is vLLM's own GPU hit
-                first = lo if lo > 0 else 0
-                slots = child.slots
-                if child.n_host == size:  # all on host: the slots as they are, in C
-                    kv.extend(slots if first == 0 else slots[first:])  # type: ignore[arg-type]
-                else:
-                    flags = child.flags
-                    if child.n_load != size:
-                        i = first
-                        while i < size and flags[i] & LOADABLE:
-                            i += 1
-                        if i < size:
-                            break
-                    if all_host:
-                        all_host = all(f & HOST for f in flags[first:])
-                    start = child.start
-                    for i in range(first, size):
-                        if flags[i] & HOST:
-                            kv.append(slots[i])  # type: ignore[index]
-                        else:
-                            kv.append(NO_SLOT)
-                            storage.append(start + i)
-            pos += size
-            node = child
-            m = child.mamba
-            if m & LOADABLE and pos > start_block:
-                on_host = m & HOST != 0
-                boundaries.append((pos, on_host))
-                hit, hit_end = child, pos
-                if all_host and on_host:
-                    host_hit, host_end = child, pos
-        if hit is None:
-            kv.clear()
-            storage.clear()
-            self.counters.misses += 1
-            return res
-        # ``kv`` holds one slot per block from ``start_block`` on: cut it back to the hit.
-        del kv[hit_end - max(start_block, 0) :]
-        while storage and storage[-1] >= hit_end:
-            storage.pop()
-        self.counters.hits += 1
-        res.num_blocks, res._node = hit_end, hit
-        if host_hit is not None:
-            res.host_num_blocks, res._host_node = host_end, host_hit
-        if hit.mamba & HOST:
-            res.mamba_slot = hit.mamba_slot
-            self.policy.sync_mamba(hit, touch=True)
-        else:
-            res.mamba_in_storage = True
-        self.policy.touch_path(hit)
-        return res
+        return longest_hit(
+            self.forest, self.policy, self.counters, hashes, partition, start_block, limit
+        )
 
     def depth(self, hashes: Sequence[bytes], partition: Hashable) -> int:
         """How many leading blocks of ``hashes`` the tree knows, in any tier or none: the
