@@ -25,6 +25,7 @@ class SchedulerCounters(Counters):
     resets: int = 0
     storage_writes_planned: int = 0
     storage_probes: int = 0
+    storage_probes_head_missed: int = 0  # settled by block 0's KV object alone: no hit
     storage_blocks_seen: int = 0
     storage_missing_masked: int = 0
     storage_fetches: int = 0

@@ -194,9 +194,11 @@ class SchedulerHalf:
             if not storage.known(req_id):
                 tag = self.lora.tag(request.lora_request)
                 storage.begin(req_id, hashes[:max_blocks], part, request.num_tokens, tag)
+            changes = storage.tree_changes
             if storage.must_wait(req_id, start, max_blocks):
                 return None, False
-            result = self.tree.match(hashes, part, start, max_blocks)
+            if storage.tree_changes != changes:
+                result = self.tree.match(hashes, part, start, max_blocks)
         return self._promise(request, result, start)
 
     def _promise(self, request: Request, result: MatchResult, start: int) -> tuple[int, bool]:

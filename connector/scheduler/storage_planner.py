@@ -4,8 +4,10 @@ Each request moves one way through PROBING -> FETCHING -> SETTLED (or straight t
 one deadline fixed when it is first seen, so it can never wait for storage more than once or
 longer than its policy allows:
 
-- PROBING: one ``exists`` over the request's block keys, submitted as early as vLLM lets us
-  (``on_new_request``) and skipped when the host tier already covers the prompt. The lookup waits a
+- PROBING: an ``exists`` over the request's block keys, submitted as early as vLLM lets us
+  (``on_new_request``) and skipped when the host tier already covers the prompt. A storage hit
+  always starts with block 0's KV object, so that one key goes first: a prompt storage has never
+  seen (most of a cold burst) costs one key, not two per block; a yes sends the rest. The lookup waits a
   few milliseconds for the answer (a bounded budget per engine step), so a cold request normally
   costs no extra engine step. Answers are folded into the tree as they arrive, at every step,
   whether or not the request is looked up again, in one walk of its path.
@@ -86,6 +88,8 @@ class _Request:
     lora_tag: str = ""  # its adapter's weights (protocol.key_salt)
     phase: Phase = Phase.PROBING
     probe_task: int | None = None
+    # The probe in flight asks for block 0's KV object only (see ``_probe_rest``).
+    head_only: bool = False
     fetch_id: int | None = None
     # vLLM's device hit in blocks once the request was looked up (None: not yet).
     start_block: int | None = None
@@ -135,6 +139,9 @@ class StoragePlanner:
         self._wait_budget = self._probe_wait_s
         # (kind, hash) -> epoch: objects some rank could not read; masked out of probe answers.
         self._missing: OrderedDict[tuple[ObjectKind, bytes], str] = OrderedDict()
+        # Moves whenever the planner may have changed the tree (a probe answer folded in, a
+        # fetch reserved or settled): a lookup matches again only if it moved (``must_wait``).
+        self.tree_changes = 0
 
     @property
     def epoch(self) -> str:
@@ -157,12 +164,26 @@ class StoragePlanner:
         wait = prefetch_deadline_s(self.cfg, num_tokens)
         deadline = time.monotonic() + (wait if math.isfinite(wait) else 3600.0)
         st = _Request(list(hashes), partition, deadline, waits=wait > 0, lora_tag=lora_tag)
-        salt = key_salt(self.epoch, lora_tag)
-        keys = [StorageKey(h, ObjectKind.KV, salt) for h in hashes]
-        keys += [StorageKey(h, ObjectKind.MAMBA, salt) for h in hashes]
+        self._requests[req_id] = st
+        if len(hashes) == 1:
+            self._probe_rest(req_id, st)
+            return
+        st.head_only = True
+        head = StorageKey(hashes[0], ObjectKind.KV, key_salt(self.epoch, lora_tag))
+        self._submit_probe(req_id, st, [head])
+
+    def _probe_rest(self, req_id: str, st: _Request) -> None:
+        """Probe every block's KV object and state: the answer says how deep a hit goes and
+        where it may end."""
+        st.head_only = False
+        salt = key_salt(self.epoch, st.lora_tag)
+        keys = [StorageKey(h, ObjectKind.KV, salt) for h in st.hashes]
+        keys += [StorageKey(h, ObjectKind.MAMBA, salt) for h in st.hashes]
+        self._submit_probe(req_id, st, keys)
+
+    def _submit_probe(self, req_id: str, st: _Request, keys: list[StorageKey]) -> None:
         st.probe_task = self.store.submit_exists(keys)
         self._probe_owner[st.probe_task] = req_id
-        self._requests[req_id] = st
         self.counters.storage_probes += 1
 
     def worth_probing(self, have_blocks: int, max_blocks: int) -> bool:
@@ -189,7 +210,8 @@ class StoragePlanner:
         if st is None:
             return False
         st.start_block = start_block
-        self._drain()
+        if st.phase is Phase.PROBING:
+            self._drain()  # others' answers wait for the step's drain
         if st.phase is Phase.PROBING and st.waits and self._wait_budget > 0:
             self._wait_for_probe(st)
         if st.phase is Phase.ANSWERED:
@@ -209,11 +231,14 @@ class StoragePlanner:
         return False
 
     def _wait_for_probe(self, st: _Request) -> None:
-        assert st.probe_task is not None
-        started = time.monotonic()
-        res = self.store.wait(st.probe_task, self._wait_budget)
-        self._wait_budget -= time.monotonic() - started
-        if res is not None:
+        """Within this step's budget, until the probe is answered (both of its rounds)."""
+        while st.phase is Phase.PROBING and self._wait_budget > 0:
+            assert st.probe_task is not None
+            started = time.monotonic()
+            res = self.store.wait(st.probe_task, self._wait_budget)
+            self._wait_budget -= time.monotonic() - started
+            if res is None:
+                return
             self._on_probe_answer(res)
 
     def forget(self, req_id: str) -> None:
@@ -290,8 +315,14 @@ class StoragePlanner:
 
     # -- probe answers ---------------------------------------------------------------------
     def _drain(self) -> None:
-        for res in self.store.poll():
-            self._on_probe_answer(res)
+        # A head answer may send the rest of its probe: poll once more for stores that answer
+        # at once (the rest of a real store's answers come with a later step).
+        for _ in range(2):
+            sent = self.counters.storage_probes
+            for res in self.store.poll():
+                self._on_probe_answer(res)
+            if self.counters.storage_probes == sent:
+                return
 
     def _on_probe_answer(self, res: TaskResult) -> None:
         req_id = self._probe_owner.pop(res.task_id, None)
@@ -300,6 +331,10 @@ class StoragePlanner:
             return  # the request is gone, or the answer predates a reset
         st.probe_task = None
         st.phase = Phase.SETTLED
+        self.tree_changes += 1
+        if st.head_only:
+            self._on_head_answer(req_id, st, res)
+            return
         n = len(st.hashes)
         if res.error is not None or len(res.ok) != 2 * n:
             return
@@ -321,6 +356,18 @@ class StoragePlanner:
         elif self._start_fetch(req_id, st):
             st.phase = Phase.FETCHING
 
+    def _on_head_answer(self, req_id: str, st: _Request, res: TaskResult) -> None:
+        """Block 0's KV object: without it storage holds no hit for this prompt (the request
+        settles, as a full probe's answer would have it); with it, probe the rest."""
+        if res.error is not None or tuple(res.ok) != (True,):
+            self.counters.storage_probes_head_missed += 1
+            return
+        if self._missing.get((ObjectKind.KV, st.hashes[0])) == self.epoch:
+            self.counters.storage_missing_masked += 1
+            return
+        st.phase = Phase.PROBING
+        self._probe_rest(req_id, st)
+
     def _mask_missing(self, hashes: list[bytes], kv_ok: list[bool], mamba_ok: list[bool]) -> None:
         epoch, missing = self.epoch, self._missing
         for i, h in enumerate(hashes):
@@ -334,6 +381,7 @@ class StoragePlanner:
     # -- fetches -------------------------------------------------------------------------
     def _start_fetch(self, req_id: str, st: _Request) -> bool:
         """Reserve host slots for the storage-only part of the deepest hit that fits."""
+        self.tree_changes += 1
         start = st.start_block or 0
         res = self.tree.match(st.hashes, st.partition, start, len(st.hashes))
         have = max(res.host_num_blocks, start)
@@ -401,6 +449,7 @@ class StoragePlanner:
 
     def _settle_fetch(self, order: FetchOrder, ok: list[bool], outcome: FetchOutcome) -> None:
         ctx = self._fetches.pop(order.fetch_id)
+        self.tree_changes += 1
         for item, good, index in zip(order.items, ok, ctx.indexes, strict=True):
             if item.kind == ObjectKind.KV:
                 self.tree.complete_store([item.slot], [], ok=good)

@@ -28,16 +28,23 @@ class Answer:
 
 @dataclass
 class ScriptedStore:
-    """Answers every ``exists`` with "all there" (or never, when ``silent``)."""
+    """Answers every ``exists`` with "all there" (or never, when ``silent``; or, given
+    ``present``, with which of its (kind, hash) pairs are there)."""
 
     silent: bool = False
+    present: set[tuple[ObjectKind, bytes]] | None = None
     slow_reports: list[str] = field(default_factory=list)
+    probes: list[list] = field(default_factory=list)
     _next: int = 1
     _done: list[Answer] = field(default_factory=list)
 
     def submit_exists(self, keys: list) -> int:
         tid, self._next = self._next, self._next + 1
-        if not self.silent:
+        self.probes.append(list(keys))
+        if self.present is not None:
+            ok = tuple((k.kind, k.block_hash) in self.present for k in keys)
+            self._done.append(Answer(tid, ok))
+        elif not self.silent:
             self._done.append(Answer(tid, (True,) * len(keys)))
         return tid
 
@@ -209,3 +216,34 @@ def test_a_storage_hit_adding_less_than_the_threshold_is_not_fetched() -> None:
         "storage_fetch_slots_held": 0,
     }
     check_invariants(p.tree)
+
+
+def test_a_prompt_storage_lacks_block_zero_of_costs_one_key_and_settles() -> None:
+    """A storage hit starts with block 0's KV object. A probe asks for it alone first; without
+    it the request settles at once (no hit, as the full probe would have said), and with it
+    the rest of the probe goes out and the hit is as deep as the objects allow."""
+    h = hashes(8)
+    store = ScriptedStore(present={(ObjectKind.KV, x) for x in h[1:]} | {(ObjectKind.MAMBA, h[3])})
+    p = planner(store)
+    p.begin("a", h, None, 1000)
+    assert not p.must_wait("a", 0, NUM_BLOCKS)  # blocks 1-3 alone are no hit: settled
+    assert [(k.kind, k.block_hash) for k in store.probes[0]] == [(ObjectKind.KV, h[0])]
+    assert len(store.probes) == 1 and p.counters["storage_probes_head_missed"] == 1
+    assert p.tree.match(h, None, 0, NUM_BLOCKS).num_blocks == 0
+    assert p.step() == ([], [])
+    # Block 0 there too (states after blocks 2 and 4): the rest is probed, the deepest hit fetched.
+    g = hashes(9)
+    store.present = {(ObjectKind.KV, x) for x in g} | {
+        (ObjectKind.MAMBA, g[1]),
+        (ObjectKind.MAMBA, g[3]),
+    }
+    p.begin("b", g, None, 1000)
+    assert p.must_wait("b", 0, NUM_BLOCKS)  # both rounds answered within the wait: fetching
+    assert len(store.probes[-1]) == 2 * NUM_BLOCKS
+    orders, _ = p.step()
+    items = [(it.kind, it.block_hash) for it in orders[0].items]
+    assert items == [(ObjectKind.KV, x) for x in g] + [(ObjectKind.MAMBA, g[3])]
+    assert p.counters["storage_probes_head_missed"] == 1
+    # A one-block prompt is probed whole at once (its head is its whole probe).
+    p.begin("c", hashes(10)[:1], None, 1000)
+    assert len(store.probes[-1]) == 2
