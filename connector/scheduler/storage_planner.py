@@ -42,9 +42,10 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from himamba.connector.protocol import FetchAck, FetchItem, FetchOrder, ObjectKind, key_salt
+from himamba.connector.protocol import FetchAck, FetchOrder, ObjectKind, key_salt
 from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.fetch_ledger import FetchLedger, FetchOutcome
+from himamba.connector.scheduler.fetch_slots import Refused, reserve_fetch
 from himamba.connector.scheduler.generations import StorageGenerations
 from himamba.connector.tree import HybridRadixTree, LockHandle
 from himamba.tiers.byte_store import ByteStore
@@ -390,59 +391,20 @@ class StoragePlanner:
         if res.num_blocks - have < self.min_gain_blocks:
             self.counters.storage_fetch_below_threshold += 1
             return False
-        tree, hashes, part = self.tree, st.hashes, st.partition
-        pin = tree.pin(hashes, part, res.num_blocks)
-        reserved: list[tuple[int, int]] = []  # (block index, slot), ascending
-        for i in res.storage_blocks:
-            slot = tree.reserve_kv(hashes, part, i, from_device=False)
-            if slot is None:
-                break
-            reserved.append((i, slot))
-        # Blocks below `reach` are on host or reserved: any boundary up to it is fetchable.
-        reach = res.num_blocks
-        if len(reserved) < len(res.storage_blocks):
-            reach = res.storage_blocks[len(reserved)]
-        target, mamba_slot = 0, None
-        for end, on_host in reversed(res.boundaries):
-            if end > reach or end <= res.host_num_blocks:
-                continue
-            if on_host:
-                target = end
-                break
-            mamba_slot = tree.reserve_mamba(hashes, part, end, from_device=False)
-            if mamba_slot is not None:
-                target = end
-                break
-        below = bool(target) and target - have < self.min_gain_blocks
-        if below:  # shortened (no room) below the threshold: not worth the round trip
-            if mamba_slot is not None:
-                tree.complete_store([], [mamba_slot], ok=False)
-            target, mamba_slot = 0, None
-        keep = [(i, s) for i, s in reserved if i < target]
-        tree.complete_store([s for i, s in reserved if i >= target], [], ok=False)
-        if not target:
-            tree.unlock(pin)
-            if below:
-                self.counters.storage_fetch_below_threshold += 1
-            else:
-                self.counters.storage_fetch_no_space += 1
+        got = reserve_fetch(self.tree, st.hashes, st.partition, res, have, self.min_gain_blocks)
+        if isinstance(got, Refused):
+            self.counters[got.value] += 1
             return False
-        if target != res.num_blocks:
-            narrower = tree.pin(hashes, part, target)
-            tree.unlock(pin)
-            pin = narrower
+        if got.shortened:
             self.counters.storage_fetch_shortened += 1
-        items = [FetchItem(ObjectKind.KV, hashes[i], s) for i, s in keep]
-        indexes = [i for i, _ in keep]
-        if mamba_slot is not None:
-            items.append(FetchItem(ObjectKind.MAMBA, hashes[target - 1], mamba_slot))
-            indexes.append(target - 1)
         # Every storage op ends by its deadline after reaching the adapter, so acknowledgements
         # are due within a few deadlines; later, a rank died or an acknowledgement was lost, and
         # the fetch is given up (cancelled, its slots reclaimed).
         expires = time.monotonic() + 3 * self.cfg.op_deadline_s
-        fid = self.ledger.open(items, expires, st.lora_tag)
-        self._fetches[fid] = _Fetch(req_id, st.waits, pin, hashes, part, indexes, len(keep))
+        fid = self.ledger.open(got.items, expires, st.lora_tag)
+        self._fetches[fid] = _Fetch(
+            req_id, st.waits, got.pin, st.hashes, st.partition, got.indexes, got.num_kv
+        )
         st.fetch_id = fid
         self.counters.storage_fetches += 1
         return True
