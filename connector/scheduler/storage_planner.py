@@ -29,7 +29,8 @@ for the step after) is not the storage's fault and is not reported.
 
 A fetched object that some rank could not read (its shard is missing there: a skipped or
 evicted write) is remembered as missing for this generation, so later probes do not send every
-request with that prefix into the same failing fetch; a later write of the object clears it.
+request with that prefix into the same failing fetch; a later write of the object clears it
+(``missing_objects``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import enum
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +47,7 @@ from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.fetch_ledger import FetchLedger, FetchOutcome
 from himamba.connector.scheduler.fetch_slots import Refused, reserve_fetch
 from himamba.connector.scheduler.generations import StorageGenerations
+from himamba.connector.scheduler.missing_objects import MissingObjects
 from himamba.connector.tree import HybridRadixTree, LockHandle
 from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.object_format import StorageKey
@@ -75,9 +76,6 @@ class Phase(enum.Enum):
 # only fetches are in flight a step sleeps IDLE_WAIT_S.
 IDLE_WAIT_S = 0.002
 IDLE_PROBE_WAIT_S = 0.02
-
-# How many objects a planner remembers as missing on some rank (oldest forgotten first).
-MISSING_MEMORY = 65536
 
 
 @dataclass
@@ -138,8 +136,7 @@ class StoragePlanner:
         self._fetches: dict[int, _Fetch] = {}
         self._probe_wait_s = cfg.probe_wait_ms / 1000
         self._wait_budget = self._probe_wait_s
-        # (kind, hash) -> epoch: objects some rank could not read; masked out of probe answers.
-        self._missing: OrderedDict[tuple[ObjectKind, bytes], str] = OrderedDict()
+        self._missing = MissingObjects()  # masked out of probe answers
         # Moves whenever the planner may have changed the tree (a probe answer folded in, a
         # fetch reserved or settled): a lookup matches again only if it moved (``must_wait``).
         self.tree_changes = 0
@@ -311,8 +308,7 @@ class StoragePlanner:
 
     def wrote(self, kind: ObjectKind, block_hash: bytes) -> None:
         """The object is being written again (every rank): it may be whole now."""
-        if self._missing:
-            self._missing.pop((kind, block_hash), None)
+        self._missing.forget(kind, block_hash)
 
     # -- probe answers ---------------------------------------------------------------------
     def _drain(self) -> None:
@@ -341,7 +337,8 @@ class StoragePlanner:
             return
         kv_ok, mamba_ok = list(res.ok[:n]), list(res.ok[n:])
         if self._missing:
-            self._mask_missing(st.hashes, kv_ok, mamba_ok)
+            masked = self._missing.mask(st.hashes, kv_ok, mamba_ok, self.epoch)
+            self.counters.storage_missing_masked += masked
         prefix = 0
         while prefix < n and kv_ok[prefix]:
             prefix += 1
@@ -363,21 +360,11 @@ class StoragePlanner:
         if res.error is not None or tuple(res.ok) != (True,):
             self.counters.storage_probes_head_missed += 1
             return
-        if self._missing.get((ObjectKind.KV, st.hashes[0])) == self.epoch:
+        if self._missing.has(ObjectKind.KV, st.hashes[0], self.epoch):
             self.counters.storage_missing_masked += 1
             return
         st.phase = Phase.PROBING
         self._probe_rest(req_id, st)
-
-    def _mask_missing(self, hashes: list[bytes], kv_ok: list[bool], mamba_ok: list[bool]) -> None:
-        epoch, missing = self.epoch, self._missing
-        for i, h in enumerate(hashes):
-            if kv_ok[i] and missing.get((ObjectKind.KV, h)) == epoch:
-                kv_ok[i] = False
-                self.counters.storage_missing_masked += 1
-            if mamba_ok[i] and missing.get((ObjectKind.MAMBA, h)) == epoch:
-                mamba_ok[i] = False
-                self.counters.storage_missing_masked += 1
 
     # -- fetches -------------------------------------------------------------------------
     def _start_fetch(self, req_id: str, st: _Request) -> bool:
@@ -424,7 +411,7 @@ class StoragePlanner:
                     # forget them (and, conservatively, everything stored after them), and do
                     # not believe the next probe that says yes until they are written again.
                     self.tree.evict_storage(ctx.hashes, ctx.partition, index, None)
-                    self._remember_missing(item.kind, item.block_hash, order.generation.epoch)
+                    self._missing.remember(item.kind, item.block_hash, order.generation.epoch)
         self.tree.unlock(ctx.pin)
         if outcome is FetchOutcome.ABANDONED:
             self.counters.storage_fetches_abandoned += 1
@@ -434,12 +421,6 @@ class StoragePlanner:
             st.phase = Phase.SETTLED
             if outcome is FetchOutcome.DONE and all(ok):
                 st.fetched_blocks = frozenset(ctx.indexes[: ctx.num_kv])
-
-    def _remember_missing(self, kind: ObjectKind, block_hash: bytes, epoch: str) -> None:
-        self._missing[(kind, block_hash)] = epoch
-        self._missing.move_to_end((kind, block_hash))
-        while len(self._missing) > MISSING_MEMORY:
-            self._missing.popitem(last=False)
 
     # -- introspection ---------------------------------------------------------------------
     def pending(self) -> dict[str, int]:
