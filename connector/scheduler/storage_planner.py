@@ -137,8 +137,8 @@ class StoragePlanner:
         self._probe_wait_s = cfg.probe_wait_ms / 1000
         self._wait_budget = self._probe_wait_s
         self._missing = MissingObjects()  # masked out of probe answers
-        # Moves whenever the planner may have changed the tree (a probe answer folded in, a
-        # fetch reserved or settled): a lookup matches again only if it moved (``must_wait``).
+        # Moves whenever the planner may have changed the tree (storage marks from a probe
+        # answer, a fetch reserved or settled): a lookup matches again only if it moved.
         self.tree_changes = 0
 
     @property
@@ -315,26 +315,25 @@ class StoragePlanner:
         # A head answer may send the rest of its probe: poll once more for stores that answer
         # at once (the rest of a real store's answers come with a later step).
         for _ in range(2):
-            sent = self.counters.storage_probes
+            sent_rest = False
             for res in self.store.poll():
-                self._on_probe_answer(res)
-            if self.counters.storage_probes == sent:
+                sent_rest |= self._on_probe_answer(res)
+            if not sent_rest:
                 return
 
-    def _on_probe_answer(self, res: TaskResult) -> None:
+    def _on_probe_answer(self, res: TaskResult) -> bool:
+        """Fold one probe answer in; True if it was a head answer that sent the rest."""
         req_id = self._probe_owner.pop(res.task_id, None)
         st = None if req_id is None else self._requests.get(req_id)
         if st is None or st.probe_task != res.task_id:
-            return  # the request is gone, or the answer predates a reset
+            return False  # the request is gone, or the answer predates a reset
         st.probe_task = None
         st.phase = Phase.SETTLED
-        self.tree_changes += 1
         if st.head_only:
-            self._on_head_answer(req_id, st, res)
-            return
+            return self._on_head_answer(req_id, st, res)
         n = len(st.hashes)
         if res.error is not None or len(res.ok) != 2 * n:
-            return
+            return False
         kv_ok, mamba_ok = list(res.ok[:n]), list(res.ok[n:])
         if self._missing:
             masked = self._missing.mask(st.hashes, kv_ok, mamba_ok, self.epoch)
@@ -343,28 +342,31 @@ class StoragePlanner:
         while prefix < n and kv_ok[prefix]:
             prefix += 1
         if not prefix:
-            return
+            return False
         ends = [b for b in range(1, prefix + 1) if mamba_ok[b - 1]]
+        self.tree_changes += 1
         self.tree.mark_storage(st.hashes, st.partition, prefix, ends)
         self.counters.storage_blocks_seen += prefix
         if not ends:
-            return
+            return False
         if st.start_block is None and st.waits:
             st.phase = Phase.ANSWERED  # the fetch starts at the lookup, past the device hit
         elif self._start_fetch(req_id, st):
             st.phase = Phase.FETCHING
+        return False
 
-    def _on_head_answer(self, req_id: str, st: _Request, res: TaskResult) -> None:
+    def _on_head_answer(self, req_id: str, st: _Request, res: TaskResult) -> bool:
         """Block 0's KV object: without it storage holds no hit for this prompt (the request
-        settles, as a full probe's answer would have it); with it, probe the rest."""
+        settles, as a full probe's answer would have it); with it, probe the rest (True)."""
         if res.error is not None or tuple(res.ok) != (True,):
             self.counters.storage_probes_head_missed += 1
-            return
+            return False
         if self._missing.has(ObjectKind.KV, st.hashes[0], self.epoch):
             self.counters.storage_missing_masked += 1
-            return
+            return False
         st.phase = Phase.PROBING
         self._probe_rest(req_id, st)
+        return True
 
     # -- fetches -------------------------------------------------------------------------
     def _start_fetch(self, req_id: str, st: _Request) -> bool:
