@@ -8,7 +8,6 @@ half asks it once per step (``plan``) and tells it when a request starts and end
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from himamba.connector.protocol import StepPlan
 from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.device_blocks import DeviceBlockIds
 from himamba.connector.scheduler.lora_identity import LoraTags
+from himamba.connector.scheduler.store_due import NEVER, StoreDue
 from himamba.connector.tree import HybridRadixTree, StoreCursor
 from himamba.mamba_state.state_budget import RequestStates, StateBudget
 
@@ -98,10 +98,8 @@ class HostStores:
         self._mamba_groups = [g.group_id for g in layout.mamba]
         self._tracked: dict[str, _Tracked] = {}
         # Per tracked request: the computed-token count at which its block
-        # ``next_store_block`` is full. Below it a step stores nothing for that request,
-        # which is every decode step of almost every request: one lookup and one
-        # comparison each, in a dict of ints rather than spread over request objects.
-        self._store_at: dict[str, int] = {}
+        # ``next_store_block`` is full, and which requests can have reached it this step.
+        self.due = StoreDue()
 
     def track(self, request: Request) -> None:
         """The request was scheduled: from now on its new blocks and states may be stored."""
@@ -114,14 +112,18 @@ class HostStores:
         tag = self.lora.tag(request.lora_request)
         tracked = _Tracked(request, states, part, lora_tag=tag)
         self._tracked[request.request_id] = tracked
-        self._stored_through(tracked, 0, self._last_block(request))
+        self.due.watch(request.request_id, request.num_prompt_tokens)
+        self._stored_through(tracked, 0, self._last_block(request), None)
 
-    def _stored_through(self, tracked: _Tracked, block: int, last_block: int | None) -> None:
-        """Blocks before ``block`` are stored; ``last_block`` caps what ever may be."""
+    def _stored_through(
+        self, tracked: _Tracked, block: int, last_block: int | None, done: int | None
+    ) -> None:
+        """Blocks before ``block`` are stored; ``last_block`` caps what ever may be; the
+        request has ``done`` computed tokens at this step's end (None: not known here)."""
         tracked.next_store_block = block
-        done = last_block is not None and block >= last_block
-        at = sys.maxsize if done else (block + 1) * self.layout.block_size
-        self._store_at[tracked.request.request_id] = at
+        finished = last_block is not None and block >= last_block
+        at = NEVER if finished else (block + 1) * self.layout.block_size
+        self.due.set(tracked.request.request_id, at, done)
 
     def _last_block(self, request: Request) -> int | None:
         """The block count a request's stores stop at (its prompt's, without decode stores)."""
@@ -134,7 +136,7 @@ class HostStores:
 
     def forget(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
-        self._store_at.pop(req_id, None)
+        self.due.forget(req_id)
 
     def __len__(self) -> int:
         return len(self._tracked)
@@ -143,31 +145,11 @@ class HostStores:
         """Reserve host slots for this step's stores and add them to ``plan``."""
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         if block_state is None:
+            self.due.step(scheduler_output)  # nothing to store, but the clock must advance
             return
         finished = set(scheduler_output.finished_req_ids)
         self._plan_kv(plan, scheduler_output, block_state, finished)
         self._plan_mamba(plan, block_state.boundary_state_offloads)
-
-    @staticmethod
-    def _storing(
-        scheduler_output: SchedulerOutput, store_at: dict[str, int]
-    ) -> list[tuple[str, int]]:
-        """(request, computed tokens at this step's end) of the scheduled requests that reach
-        their ``store_at`` this step. Runs for every scheduled request every step, so it
-        reads only the scheduler output's parallel lists and one dict of ints."""
-        scheduled = scheduler_output.num_scheduled_tokens
-        never = sys.maxsize
-        out = []
-        for r in scheduler_output.scheduled_new_reqs:
-            done = r.num_computed_tokens + scheduled.get(r.req_id, 0)
-            if done >= store_at.get(r.req_id, never):
-                out.append((r.req_id, done))
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, before in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
-            done = before + scheduled.get(req_id, 0)
-            if done >= store_at.get(req_id, never):
-                out.append((req_id, done))
-        return out
 
     def _plan_kv(
         self,
@@ -178,7 +160,7 @@ class HostStores:
     ) -> None:
         bs = self.layout.block_size
         per_block = self.layout.hashes_per_block
-        for req_id, done in self._storing(so, self._store_at):
+        for req_id, done in self.due.step(so):
             if req_id in finished:
                 continue
             tracked = self._tracked[req_id]
@@ -234,11 +216,11 @@ class HostStores:
             if rolled_back:
                 self.tree.complete_store(rolled_back, [], ok=False)
             if self.tree.counters.alloc_failures == failures:
-                self._stored_through(tracked, full, last)
+                self._stored_through(tracked, full, last, done)
             else:
                 # The tier had no room past the last reserved block: try the rest next step
                 # rather than skip it for good.
-                self._stored_through(tracked, run[-1][0] + 1 if run else start, last)
+                self._stored_through(tracked, run[-1][0] + 1 if run else start, last, done)
 
     @staticmethod
     def _split_missing(
