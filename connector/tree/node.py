@@ -300,6 +300,23 @@ class Node:
         self.n_live = self.n_gpu = self.n_pend = n
         self.slots = array("i", slots)
 
+    def grow_reserved(self, hashes: list[bytes], slots: Sequence[int]) -> None:
+        """Append blocks that are on GPU with a store in flight into ``slots`` (one per
+        block): what ``extend``, ``mark_gpu`` and ``reserve_span`` would leave, at once."""
+        n = len(hashes)
+        assert len(slots) == n, "one slot per block"
+        if self.hashes.__class__ is tuple:
+            self.hashes = list(self.hashes)
+        old = len(self.hashes)
+        self.hashes.extend(hashes)  # type: ignore[union-attr]
+        self.flags.extend(bytes([GPU | PENDING]) * n)
+        if self.slots is None:
+            self.slots = array("i", [NO_SLOT]) * old
+        self.slots.extend(array("i", slots))
+        self.n_live += n
+        self.n_gpu += n
+        self.n_pend += n
+
     def set_slot(self, i: int, slot: int) -> None:
         if self.slots is None:
             if slot == NO_SLOT:

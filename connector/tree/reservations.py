@@ -94,6 +94,8 @@ class Reservations:
             origin = tail if start else forest.roots.get(partition)
             if origin is not None:
                 fast = self._new_leaf_run(origin, hashes, partition, start, end)
+                if fast is None and tail is not None:
+                    fast = self._grown_leaf_run(tail, hashes, start, end)
                 if fast is not None:
                     cursor.node = fast[0]
                     if not commit_settles:
@@ -154,6 +156,28 @@ class Reservations:
             zip(slots, zip(repeat(leaf, n), range(n), strict=True), strict=True)
         )
         return leaf, list(zip(range(start, end), slots, strict=True))
+
+    def _grown_leaf_run(
+        self, tail: Node, hashes: Sequence[bytes], start: int, end: int
+    ) -> tuple[Node, list[tuple[int, int]]] | None:
+        """The other usual run: the request's previous run ended in a leaf that keeps no
+        state (the state budget skipped that chunk end), so the general walk would grow that
+        leaf in place. ``tail`` ends at ``start`` (the caller checked it with ``on_path``);
+        with free slots for every block the run is that leaf grown by ``[start, end)``, all
+        of it stored, equal to what the general walk leaves. None: not that case."""
+        n = end - start
+        if tail.kids is not None or tail.mamba or self.kv_slots.num_free < n:
+            return None
+        mark_gpu_up(tail)
+        slots = self.kv_slots.alloc_many(n)
+        i = len(tail.hashes)
+        tail.grow_reserved(list(hashes[start:end]), slots)
+        tail.tombstone = False
+        self.forest.pending_kv.update(
+            zip(slots, zip(repeat(tail, n), range(i, i + n), strict=True), strict=True)
+        )
+        self.policy.withdraw_kv(tail)  # a pending block makes the node no victim
+        return tail, list(zip(range(start, end), slots, strict=True))
 
     def _reserve_run(self, path: list[Node], start: int, end: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []

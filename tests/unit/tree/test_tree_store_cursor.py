@@ -141,8 +141,11 @@ class TwinMachine(RuleBasedStateMachine):
         if origin is not None:
             self.trusted += 1
             grows = origin.parent is not None and origin.kids is None and not origin.mamba
+            room = self.fast.kv_slots.num_free >= end - start
             if not (origin.child(hashes[start]) or grows):
-                NEW_LEAF["n"] += self.fast.kv_slots.num_free >= end - start
+                NEW_LEAF["n"] += room
+            elif grows and start:
+                GROWN["n"] += room
         run_a = self.plain.reserve_kv_run(hashes, part, start, end, True)
         run_b = self.fast.reserve_kv_run(hashes, part, start, end, True, cursor=cur)
         assert run_a == run_b
@@ -230,6 +233,7 @@ class TwinMachine(RuleBasedStateMachine):
 
 TRUSTED = {"n": 0}
 NEW_LEAF = {"n": 0}  # runs that took the one-new-leaf shortcut
+GROWN = {"n": 0}  # runs that took the grow-the-stateless-leaf shortcut
 
 
 class CountingTwin(TwinMachine):
@@ -250,3 +254,4 @@ def test_zz_cursors_were_trusted_often() -> None:
     """The twin run above exercised the fast paths, not only the fallback walk."""
     assert TRUSTED["n"] >= 150, TRUSTED
     assert NEW_LEAF["n"] >= 50, NEW_LEAF
+    assert GROWN["n"] >= 30, GROWN
