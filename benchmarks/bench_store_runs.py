@@ -76,7 +76,9 @@ def main() -> None:
     )
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    best = min(one_rep(args.requests, args.blocks, args.chunk, args.state_every) for _ in range(args.reps))
+    best = min(
+        one_rep(args.requests, args.blocks, args.chunk, args.state_every) for _ in range(args.reps)
+    )
     dt, runs, stored = best
     out: dict[str, Any] = {
         "params": vars(args),
