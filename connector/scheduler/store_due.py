@@ -35,6 +35,9 @@ class StoreDue:
         self._heap: list[tuple[int, str]] = []
         self._due: dict[str, int] = {}  # the live heap entry's time per request
         self._prompt_end: dict[str, int] = {}  # requests still in their prompt: read exactly
+        # Named by the last step and not ``set`` since: read again this step. Armed only at
+        # the next step, so the usual ``set`` that follows a name costs no heap entry.
+        self._unset: dict[str, int] = {}
 
     def watch(self, req_id: str, prompt_tokens: int) -> None:
         """A request starts: it is read exactly until its prompt is computed."""
@@ -44,6 +47,7 @@ class StoreDue:
         """Its next block is full at ``at`` computed tokens; ``done`` is its count at the end
         of this step (None: unknown, read it at the next step)."""
         self.at[req_id] = at
+        self._unset.pop(req_id, None)
         if at == NEVER:
             self._due.pop(req_id, None)
             return
@@ -53,6 +57,7 @@ class StoreDue:
         self.at.pop(req_id, None)
         self._due.pop(req_id, None)
         self._prompt_end.pop(req_id, None)
+        self._unset.pop(req_id, None)
 
     def _arm(self, req_id: str, due: int) -> None:
         self._due[req_id] = due
@@ -65,6 +70,10 @@ class StoreDue:
         """(request, computed tokens at this step's end) of the scheduled requests that reach
         their ``at`` this step. Each stays queued to be read again next step; ``set`` with
         its new ``at`` replaces that."""
+        if self._unset:
+            for req_id, when in self._unset.items():
+                self._arm(req_id, when)
+            self._unset.clear()
         scheduled = so.num_scheduled_tokens
         at = self.at
         out: list[tuple[str, int]] = []
@@ -108,7 +117,7 @@ class StoreDue:
         for req_id, when in idle:
             # Not scheduled (or not in the cached list): it advanced nothing this step.
             self._arm(req_id, when + bound)
-        prompt_end = self._prompt_end
+        prompt_end, unset = self._prompt_end, self._unset
         for req_id, done in exact.items():
             end = prompt_end.get(req_id)
             if end is not None and done >= end:
@@ -116,7 +125,7 @@ class StoreDue:
             target = at.get(req_id, NEVER)
             if done >= target:
                 out.append((req_id, done))
-                self._arm(req_id, clock)  # read again next step unless ``set`` moves it
+                unset[req_id] = clock  # read again next step unless ``set`` moves it
             elif target != NEVER:
                 self._arm(req_id, clock + target - done)
         return out
