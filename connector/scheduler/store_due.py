@@ -48,7 +48,9 @@ class StoreDue:
         of this step (None: unknown, read it at the next step)."""
         self.at[req_id] = at
         self._unset.pop(req_id, None)
-        if at == NEVER:
+        if at == NEVER or req_id in self._prompt_end:
+            # Still in its prompt: read exactly whenever scheduled, and armed by the step
+            # that reads it past its prompt end (``step``), so no heap entry until then.
             self._due.pop(req_id, None)
             return
         self._arm(req_id, self._clock + (0 if done is None else max(at - done, 0)))
@@ -120,13 +122,14 @@ class StoreDue:
         prompt_end, unset = self._prompt_end, self._unset
         for req_id, done in exact.items():
             end = prompt_end.get(req_id)
-            if end is not None and done >= end:
+            in_prompt = end is not None and done < end
+            if end is not None and not in_prompt:
                 del prompt_end[req_id]
             target = at.get(req_id, NEVER)
             if done >= target:
                 out.append((req_id, done))
                 unset[req_id] = clock  # read again next step unless ``set`` moves it
-            elif target != NEVER:
+            elif target != NEVER and not in_prompt:  # (in its prompt: read exactly)
                 self._arm(req_id, clock + target - done)
         return out
 
