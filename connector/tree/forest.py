@@ -12,7 +12,7 @@ eviction order.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
-from itertools import pairwise
+from itertools import pairwise, repeat
 
 from .node import PENDING, Node, common_prefix
 
@@ -31,6 +31,13 @@ class Forest:
         # Split tails whose pieces may have stopped being held: revalidated before the
         # public call returns (``Maintenance.flush``).
         self.dirty: list[Node] = []
+
+    def pend_span(self, node: Node, first: int, slots: Sequence[int]) -> None:
+        """Stores in flight into ``slots``, one per block of ``node`` from ``first`` on."""
+        n = len(slots)
+        self.pending_kv.update(
+            zip(slots, zip(repeat(node, n), range(first, first + n), strict=True), strict=True)
+        )
 
     def locate(
         self, hashes: Sequence[bytes], partition: Hashable, end: int

@@ -152,9 +152,7 @@ class Reservations:
         leaf.reserve_new(slots)
         origin.add_child(leaf)
         self.forest.num_nodes += 1
-        self.forest.pending_kv.update(
-            zip(slots, zip(repeat(leaf, n), range(n), strict=True), strict=True)
-        )
+        self.forest.pend_span(leaf, 0, slots)
         return leaf, list(zip(range(start, end), slots, strict=True))
 
     def _grown_leaf_run(
@@ -173,9 +171,7 @@ class Reservations:
         i = len(tail.hashes)
         tail.grow_reserved(list(hashes[start:end]), slots)
         tail.tombstone = False
-        self.forest.pending_kv.update(
-            zip(slots, zip(repeat(tail, n), range(i, i + n), strict=True), strict=True)
-        )
+        self.forest.pend_span(tail, i, slots)
         self.policy.withdraw_kv(tail)  # a pending block makes the node no victim
         return tail, list(zip(range(start, end), slots, strict=True))
 
@@ -193,9 +189,7 @@ class Reservations:
                 n = len(slots)
                 if n:
                     x.reserve_span(lo, slots)
-                    pending.update(
-                        zip(slots, zip(repeat(x, n), range(lo, lo + n), strict=True), strict=True)
-                    )
+                    self.forest.pend_span(x, lo, slots)
                     out.extend(zip(range(x.start + lo, x.start + lo + n), slots, strict=True))
                     self.policy.withdraw_kv(x)
                 if n < hi - lo:
