@@ -46,6 +46,10 @@ class HiMambaConfig:
     # only the first part of an earlier one hits at the last checkpoint before they diverge.
     # 1024: sharing the first 3,000 of 4,000 tokens hits 2,048+, for ~4 states per 4k tokens.
     checkpoint_interval_tokens: int = 1024
+    # Keep a finished request's partly filled last block and its final Mamba state, so the
+    # next turn of a conversation hits through the whole previous answer, not only to its
+    # last full block (``scheduler.tails``). vLLM frees the request's blocks one step later.
+    partial_tail_hits: bool = False
     # vLLM's default kv_load_failure_policy "fail" fails a user request whenever a cache load
     # fails; himamba switches it to "recompute" at start-up unless this is true.
     respect_fail_policy: bool = False
@@ -112,6 +116,7 @@ _TYPES: dict[str, type] = {
     "respect_fail_policy": bool,
     "keep_decode_states": bool,
     "checkpoint_interval_tokens": int,
+    "partial_tail_hits": bool,
 }
 
 

@@ -38,6 +38,7 @@ from himamba.connector.storage_setup import acking_workers, storage_config
 from himamba.connector.vllm_fixups.engine_config import (
     BlockSizeGuard,
     adapt_load_failure_policy,
+    partial_tails_allowed,
     retain_decode_states,
 )
 from himamba.connector.worker.ranks import worker_rank
@@ -131,6 +132,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             adapt_load_failure_policy(vllm_config, self.config)
             self._block_size_guard = BlockSizeGuard(vllm_config, self.layout.block_size)
             retain_decode_states(vllm_config, kv_cache_config, self.config, self.layout)
+            self.config = partial_tails_allowed(vllm_config, self.config)
             self.scheduler = SchedulerHalf(self.layout, self.config, kv_slots, mamba_slots)
             control = SchedulerControl(
                 self.scheduler, vllm_config, self.layout, scfg, self._acking_workers
@@ -191,6 +193,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
                 connector_output.finished_recving or (),
                 getattr(connector_output, "failed_recving", None) or (),
                 acks,
+                connector_output.finished_sending or (),
             )
 
     def has_pending_push_work(self) -> bool:
@@ -210,7 +213,13 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, None]:
-        return self.request_finished(request, [])
+        """True (vLLM keeps the blocks) when the request's partial tail is being copied; the
+        workers report it in ``finished_sending`` once the copy no longer reads them."""
+        if self.scheduler is None:
+            return False, None
+        keep = self.scheduler.keep_tail(request, block_ids)
+        self.scheduler.on_finished(request)
+        return keep, None
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, called after weight updates:
@@ -308,7 +317,11 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is None:
             return KVConnectorTransferResults()
         finished, failed = self.worker.take_results()
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=self.worker.take_sent(),
+            finished_recving=finished,
+            failed_recving=failed,
+        )
 
     # -- metrics and KV events (both roles) -----------------------------------------------
     def _init_observability(

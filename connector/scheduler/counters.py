@@ -22,6 +22,8 @@ class SchedulerCounters(Counters):
     mamba_states_skipped: int = 0
     mamba_states_replaced: int = 0
     mamba_incomplete_handoffs: int = 0
+    tails_stored: int = 0  # finished requests' partial last blocks (with their states) kept
+    tail_hits: int = 0  # hits that end inside a block, at a kept tail
     resets: int = 0
     storage_writes_planned: int = 0
     storage_probes: int = 0

@@ -26,6 +26,8 @@ class PendingHit:
     handle: LockHandle
     num_blocks: int
     mamba_slot: int
+    # Tokens promised past the request's local hit (less than whole blocks at a tail).
+    tokens: int = 0
 
 
 class HitBook:
@@ -45,14 +47,16 @@ class HitBook:
         """No hit of this request was counted as a use of its path yet."""
         return req_id not in self._counted
 
-    def promise(self, req_id: str, result: MatchResult, num_blocks: int) -> bool:
-        """Lock the host part of ``result`` (``num_blocks`` deep) for ``req_id``; False if the
-        tree could not lock it."""
+    def promise(self, req_id: str, result: MatchResult, num_blocks: int, tokens: int) -> bool:
+        """Lock the host part of ``result`` (``num_blocks`` deep, ``tokens`` promised) for
+        ``req_id``; False if the tree could not lock it."""
         handle = self.tree.lock(result, host_only=True, count_hit=self.first_use(req_id))
         if handle is None:
             return False
         self._counted.add(req_id)
-        self._pending[req_id] = PendingHit(result, handle, num_blocks, result.state_slot(True))
+        self._pending[req_id] = PendingHit(
+            result, handle, num_blocks, result.state_slot(True), tokens
+        )
         return True
 
     def take_pending(self, req_id: str) -> PendingHit | None:

@@ -131,6 +131,11 @@ class HostStores:
             return None
         return request.num_prompt_tokens // self.layout.block_size
 
+    def identity(self, req_id: str) -> tuple[Hashable, str] | None:
+        """(partition, LoRA tag) of a tracked request: what its stores are keyed under."""
+        tracked = self._tracked.get(req_id)
+        return None if tracked is None else (tracked.partition, tracked.lora_tag)
+
     def is_tracked(self, req_id: str) -> bool:
         return req_id in self._tracked
 

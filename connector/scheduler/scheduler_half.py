@@ -35,6 +35,7 @@ from himamba.connector.scheduler.hits import HitBook
 from himamba.connector.scheduler.host_stores import HostStores, block_hashes, request_partition
 from himamba.connector.scheduler.lora_identity import LoraTags
 from himamba.connector.scheduler.storage_planner import StoragePlanner
+from himamba.connector.scheduler.tails import PartialTails
 from himamba.connector.tree import HybridRadixTree, MatchResult
 from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.storage_config import StorageConfig
@@ -86,6 +87,9 @@ class SchedulerHalf:
         # collected while the step is scheduled and handed to the plan at its end.
         self._writes: list[StorageWrite] = []
         self.stores = HostStores(layout, config, self.tree, self.counters, self.lora)
+        self.tails = (
+            PartialTails(layout, self.tree, self.counters) if config.partial_tail_hits else None
+        )
         # KV-cache events for routers (kv_events.KVEventTracker); None unless vLLM publishes.
         self._events: KVEventTracker | None = None
 
@@ -199,18 +203,26 @@ class SchedulerHalf:
                 return None, False
             if storage.tree_changes != changes:
                 result = self.tree.match(hashes, part, start, max_blocks)
+        if self.tails is not None:
+            deeper = self.tails.deeper_hit(request, hashes, part, start, result.host_num_blocks)
+            if deeper is not None:
+                return self._promise(request, deeper[0], start, deeper[1])
         return self._promise(request, result, start)
 
-    def _promise(self, request: Request, result: MatchResult, start: int) -> tuple[int, bool]:
-        """Promise the host-resident part of ``result`` (storage parts are fetched first)."""
+    def _promise(
+        self, request: Request, result: MatchResult, start: int, tokens: int | None = None
+    ) -> tuple[int, bool]:
+        """Promise the host-resident part of ``result`` (storage parts are fetched first);
+        ``tokens``: a hit that ends inside its last block (a partial tail)."""
         req_id = request.request_id
         num_blocks = result.host_num_blocks
-        tokens = (num_blocks - start) * self.layout.block_size
+        if tokens is None:
+            tokens = (num_blocks - start) * self.layout.block_size
         if num_blocks <= start or tokens < max(self.config.min_load_tokens, 1):
             self.counters.lookups_missed += 1
             return 0, False
         first_use = self.hits.first_use(req_id)
-        if not self.hits.promise(req_id, result, num_blocks):
+        if not self.hits.promise(req_id, result, num_blocks, tokens):
             return 0, False
         storage = self.storage
         selective = storage is not None and storage.cfg.write_policy.writes_popular
@@ -237,7 +249,7 @@ class SchedulerHalf:
         bs = self.layout.block_size
         block_ids = blocks.get_block_ids()
         doomed = None
-        if num_external_tokens != (n - start) * bs:
+        if num_external_tokens != pending.tokens:
             doomed = (
                 f"vLLM trimmed the hit to {num_external_tokens} tokens; the Mamba state "
                 "for that boundary was not planned"
@@ -257,6 +269,7 @@ class SchedulerHalf:
         from_storage = min(from_storage, num_external_tokens)
         self.hits.loading(req_id, pending.handle, num_external_tokens - from_storage, from_storage)
         self.counters.loads += 1
+        self.counters.tail_hits += pending.tokens % bs != 0
         self.counters.hit_tokens += num_external_tokens
         self.counters.hit_tokens_storage += from_storage
         if self.events is not None:
@@ -318,7 +331,10 @@ class SchedulerHalf:
         finished_recving: Sequence[str],
         failed_recving: Sequence[str],
         fetch_acks: Sequence[FetchAck] = (),
+        finished_sending: Sequence[str] = (),
     ) -> None:
+        if finished_sending and self.tails is not None:
+            self.tails.sent(finished_sending)
         if fetch_acks and self.storage is not None:
             self.storage.on_acks(fetch_acks)
         failed = set(failed_recving or ())
@@ -333,6 +349,15 @@ class SchedulerHalf:
                 if self.stores.is_tracked(req_id):
                     self.hits.bar(req_id)
 
+    def keep_tail(self, request: Request, block_ids: Sequence[Sequence[int]]) -> bool:
+        """The request finished: keep its partial tail (``tails``)? True: vLLM must hold its
+        blocks until the workers report the copy."""
+        req_id = request.request_id
+        identity = self.stores.identity(req_id)
+        if self.tails is None or identity is None or self.hits.barred(req_id):
+            return False
+        return self.tails.keep(request, block_ids, *identity, self._plan)
+
     def on_finished(self, request: Request) -> None:
         req_id = request.request_id
         self.hits.forget(req_id)
@@ -342,7 +367,9 @@ class SchedulerHalf:
 
     def has_pending_work(self) -> bool:
         """Storage fetches in flight are acknowledged only through engine steps, and the last
-        step's stores reach storage at the next step's fence."""
+        step's stores reach storage at the next step's fence; so are tails' copies."""
+        if self.tails is not None and self.tails.sending:
+            return True
         if self._stores_unfenced and self.storage is not None:
             return True
         return self.storage is not None and self.storage.has_work()
@@ -386,6 +413,7 @@ class SchedulerHalf:
             "tracked_requests": len(self.stores),
             "locked_entries": len(self.tree.handles),
             "pending_stores": self.tree.stats()["pending_stores"],
+            "tail_sends_open": 0 if self.tails is None else len(self.tails.sending),
             "slots_conserved": conserved,
         }
         if self.storage is not None:

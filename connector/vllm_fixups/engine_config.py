@@ -4,6 +4,7 @@ multi-process config handling would silently cost hits or requests."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from himamba.connector.config import HiMambaConfig
@@ -102,3 +103,21 @@ def retain_decode_states(
         "(keep_decode_states: false leaves it at 0)",
         layout.block_size,
     )
+
+
+def partial_tails_allowed(vllm_config: VllmConfig, config: HiMambaConfig) -> HiMambaConfig:
+    """``config`` without partial tails where a finished request's computed-token count does
+    not name exactly what its blocks hold: async scheduling counts a token scheduled for a
+    forward that may not have run, and speculative decoding counts unverified drafts."""
+    if not config.partial_tail_hits:
+        return config
+    sched = getattr(vllm_config, "scheduler_config", None)
+    reason = ""
+    if getattr(sched, "async_scheduling", False):
+        reason = "async scheduling is on"
+    elif getattr(vllm_config, "speculative_config", None) is not None:
+        reason = "speculative decoding is on"
+    if not reason:
+        return config
+    logger.warning("himamba: partial_tail_hits turned off: %s", reason)
+    return replace(config, partial_tail_hits=False)

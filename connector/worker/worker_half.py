@@ -70,6 +70,8 @@ class WorkerHalf:
         self.mamba: MambaSnapshotter | None = None
         self.copies: CopyJobs | None = None
         self._finished: set[str] = set()
+        # Finished requests whose partial tails are copied: vLLM may free their blocks.
+        self._sent: set[str] = set()
         self._failed: set[str] = set()
         self._idle_step = False
         self.counters = CopyCounters()
@@ -190,6 +192,8 @@ class WorkerHalf:
         return self.storage is None or self.storage.flush(timeout_s)
 
     def _to_storage(self, stores: list[StoreDone]) -> None:
+        for done in stores:
+            self._sent.update(done.sends)
         if self.storage is None:
             return
         for done in stores:
@@ -277,7 +281,12 @@ class WorkerHalf:
             )
             if batch
         )
-        self.copies.submit_store(plans, StoreDone(batches, plan.epoch))
+        self.copies.submit_store(plans, StoreDone(batches, plan.epoch, tuple(plan.sends)))
+
+    def take_sent(self) -> set[str]:
+        """Requests whose blocks the copies no longer read (``finished_sending``)."""
+        sent, self._sent = self._sent, set()
+        return sent
 
     def take_results(self) -> tuple[set[str], set[str]]:
         if self.copies is not None:
@@ -313,7 +322,11 @@ class WorkerHalf:
             raise ValueError(f"slot out of range in {slots} (capacity {capacity})")
 
     def leak_report(self) -> dict[str, int]:
-        report = {"unreported_loads": len(self._finished), "unsent_acks": len(self._orphan_acks)}
+        report = {
+            "unreported_loads": len(self._finished),
+            "unsent_acks": len(self._orphan_acks),
+            "unreported_sends": len(self._sent),
+        }
         if self.copies is not None:
             report.update(self.copies.in_flight())
         if self.storage is not None:

@@ -169,3 +169,55 @@ def test_storage_write_policies_write_what_they_promise(granite_model, tmp_path,
     # Restart hits wherever the policy promises one (write_back: flushed at clean shutdown).
     want_once = 0 if policy == "write_through_selective" else hit
     assert [o["cached"] for o in read["outs"]] == [hit, want_once]
+
+
+TAILS = {"cpu_cache_gb": 0.1, "partial_tail_hits": True}
+
+
+def computed_hits(turns: list[dict[str, Any]]) -> list[int]:
+    """Turn t+1 can hit every token vLLM computed in turn t (its prompt plus all but the last
+    generated token), never past its own last prompt token: no block rounding."""
+    hits = [0]
+    for prev, cur in zip(turns, turns[1:], strict=False):
+        hits.append(min(prev["prompt_len"] + len(prev["tokens"]) - 1, cur["prompt_len"] - 1))
+    return hits
+
+
+def test_partial_tails_hit_through_the_whole_previous_answer(granite_model, reference):
+    """A next turn loads the previous turn's last, partly filled block and the Mamba state after
+    its last computed token: the hit ends inside a block, and tokens stay those of an engine
+    with no connector. vLLM gets every block it held for the tail's copy back."""
+    got = run_scenario(
+        "conversation",
+        {"model": str(granite_model), "turns": TURNS, "max_model_len": LONG, "extra": TAILS},
+    )
+    bs, turns, stats = got["block_size"], got["turns"], got["stats"]
+    assert [t["tokens"] for t in turns] == [t["tokens"] for t in reference["turns"]]
+    want = computed_hits(turns)
+    assert [t["cached"] for t in turns] == want
+    assert all(w % bs for w in want[1:])  # inside a block: only a tail can give these hits
+    assert stats["tail_hits"] == 2 and stats["tails_stored"] == 3
+    # The engine went idle after each turn: no request is left holding blocks for a copy.
+    assert all(t["idle_steps"] < 16 for t in turns)
+    leaks = got["leaks"]
+    assert leaks["locked_entries"] == leaks["pending_stores"] == leaks["tracked_requests"] == 0
+    assert leaks["slots_conserved"] and leaks["tail_sends_open"] == 0
+
+
+def test_a_tail_whose_tokens_differ_is_not_hit(granite_model):
+    """The previous answer's last tokens edited before the next turn (a client that rewrote
+    history): the tail's tokens no longer match, so the hit stops at the last full block that
+    does, and tokens are those of an engine with no connector."""
+    turns = [TURNS[0], {**TURNS[1], "edit": {}}]
+    ref = run_scenario(
+        "conversation", {"model": str(granite_model), "turns": TURNS[:1], "max_model_len": LONG}
+    )
+    computed = len(TURNS[0]["new"]) + len(ref["turns"][0]["tokens"]) - 1
+    turns[1]["edit"] = {computed - 2: 7}  # inside the tail, not in its last full block
+    args = {"model": str(granite_model), "turns": turns, "max_model_len": LONG}
+    want = run_scenario("conversation", args)
+    got = run_scenario("conversation", {**args, "extra": TAILS})
+    bs = got["block_size"]
+    assert [t["tokens"] for t in got["turns"]] == [t["tokens"] for t in want["turns"]]
+    assert got["turns"][1]["cached"] == boundary(computed - 2, bs)
+    assert got["stats"]["tail_hits"] == 0 and got["stats"]["tails_stored"] == 2

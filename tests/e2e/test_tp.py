@@ -98,3 +98,25 @@ def test_tp2_fetch_whose_ranks_finish_in_different_steps_is_a_correct_hit(writte
     # The fault took effect: the fetch's acknowledgements really arrived in different steps.
     assert read["stats"]["fetch_fetches_acked_across_steps"] == 1
     assert read["leaks"]["storage_fetches_open"] == 0
+
+
+def test_tp2_partial_tail_hit_is_token_exact(granite_model):
+    """Each rank copies its shard of the finished turn's partial block and final state; the next
+    turn hits through every computed token only once both ranks reported the copy (vLLM frees
+    the held blocks on the last rank's ``finished_sending``)."""
+    turns = [
+        {"new": prompt(43, PROMPT_LEN), "max_tokens": 40},
+        {"new": prompt(44, 100), "max_tokens": 8},
+    ]
+    args = {"model": str(granite_model), "turns": turns, **TP}
+    ref = run_scenario("conversation", args)
+    got = run_scenario(
+        "conversation", {**args, "extra": {"cpu_cache_gb": 0.05, "partial_tail_hits": True}}
+    )
+    bs = got["block_size"]
+    assert [t["tokens"] for t in got["turns"]] == [t["tokens"] for t in ref["turns"]]
+    computed = PROMPT_LEN + 40 - 1
+    assert computed % bs and got["turns"][1]["cached"] == computed
+    assert got["stats"]["tail_hits"] == 1
+    assert all(t["idle_steps"] < 16 for t in got["turns"])
+    assert got["leaks"]["tail_sends_open"] == 0 and got["leaks"]["locked_entries"] == 0

@@ -120,6 +120,19 @@ def connectors(llm: Any) -> tuple[Any, Any]:
     return core.scheduler.connector, get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
+def idle_steps(llm: Any, limit: int = 16) -> int:
+    """Step the in-process engine while its scheduler still has work but no request, as a
+    served engine's busy loop does between requests (``LLM.generate`` stops at the last
+    output): a finished request's delayed block free and its tail's copy happen here.
+    Returns the steps taken."""
+    core = llm.llm_engine.engine_core.engine_core
+    steps = 0
+    while steps < limit and core.scheduler.has_requests():
+        core.step_fn()
+        steps += 1
+    return steps
+
+
 def drop_host_tier(llm: Any) -> None:
     """GPU cache and CPU tier emptied, storage kept: the next hit can only come from storage."""
     llm.reset_prefix_cache()

@@ -21,6 +21,7 @@ from tests.harness.offline_engine import (
     drop_host_tier,
     flush_worker,
     generate,
+    idle_steps,
     leak_report,
     make_llm,
     prompt,
@@ -243,19 +244,25 @@ def slow_storage(args: dict[str, Any]) -> dict[str, Any]:
 
 def conversation(args: dict[str, Any]) -> dict[str, Any]:
     """A multi-turn chat in token ids: turn t's prompt = turn t-1's prompt + its output + new
-    tokens. Before each turn the GPU cache is reset (and, with ``storage_only``, the CPU tier
-    too), so every hit past vLLM's own cache comes from the connector's tiers."""
+    tokens (a turn's ``edit``, ``{position: token}``, rewrites tokens of that history first).
+    Before each turn the GPU cache is reset (and, with ``storage_only``, the CPU tier too), so
+    every hit past vLLM's own cache comes from the connector's tiers. After each turn the
+    engine steps while its scheduler has work left, as a served engine does between
+    requests."""
     extra = args.get("extra")
     llm = make_llm(args, extra)
     history: list[int] = []
     turns = []
     for t in args["turns"]:
+        for pos, token in t.get("edit", {}).items():
+            history[int(pos)] = token
         p = history + t["new"]
         if args.get("storage_only"):
             drop_host_tier(llm)
         else:
             llm.reset_prefix_cache()
         r = generate(llm, [p], t["max_tokens"])[0]
+        r["idle_steps"] = idle_steps(llm)
         turns.append({**r, "prompt_len": len(p)})
         history = p + r["tokens"]
     out: dict[str, Any] = {"turns": turns}

@@ -1,0 +1,219 @@
+"""Partial tails: a finished request's last, partly filled block and the Mamba state after its
+very last computed token, so the next turn of a conversation hits through the whole previous
+answer instead of stopping at its last full block.
+
+A hit normally ends on a block boundary, where vLLM hands over a Mamba state. A conversation's
+next prompt is the previous prompt plus the answer plus a new message, so that boundary is up
+to a block short of what was computed: with production block sizes (hundreds of tokens) that
+is a large part of the next turn's prefill. When a request finishes with ``T`` computed tokens,
+``T = P * block_size + L`` with ``0 < L < block_size``, its block ``P`` holds the KV of those
+``L`` tokens and its running Mamba state is exactly the state after ``T`` tokens (align mode:
+the running state lives in column ``P``). Both are copied to the CPU tier before vLLM frees the
+blocks (``request_finished`` delays the free until the workers report the copy done).
+
+In the tree a tail is an ordinary one-block node under block ``P - 1``, named by a *tail hash*
+of its parent's block hash and its ``L`` tokens (never equal to a real block hash), with a
+state at its end: eviction, locks, invariants and loads treat it like any other block. A
+lookup whose tokens continue the parent with the same ``L`` tokens loads ``P`` full blocks,
+the tail's page and its state, and vLLM resumes at token ``T``, not on a block boundary (as
+it does after a disaggregated-prefill load). Only the tail's tokens must match: bytes past
+``L`` in its page are never read (attention stops at the sequence length, and the resumed
+prefill overwrites them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from himamba.connector.layout import GroupLayout, HybridLayout
+from himamba.connector.protocol import StepPlan
+from himamba.connector.scheduler.counters import SchedulerCounters
+from himamba.connector.scheduler.host_stores import block_hashes
+from himamba.connector.tree import HybridRadixTree, MatchResult
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+# Tail hashes live in the tree beside vLLM's block hashes: a domain prefix keeps them apart.
+_DOMAIN = b"himamba-tail-v1\x00"
+# Parents remembered with their tails (tail hash -> length). A forgotten or evicted tail only
+# stops hitting; its slots are the tree's, which evicts them like any block.
+MAX_PARENTS = 8192
+
+
+def tail_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The name of the tail that continues block hash ``parent`` with ``tokens``."""
+    h = hashlib.blake2b(_DOMAIN, digest_size=32)
+    h.update(parent)
+    h.update(len(tokens).to_bytes(4, "little"))
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class TailHit:
+    """A tail that a request's tokens continue: blocks ``[0, parent_blocks)`` then ``length``
+    tokens named ``tail``."""
+
+    parent_blocks: int
+    length: int
+    tail: bytes
+
+
+class TailIndex:
+    """Which tails were stored under which parent block hash (most recent parents kept)."""
+
+    def __init__(self, max_parents: int = MAX_PARENTS) -> None:
+        self._by_parent: OrderedDict[tuple[Hashable, bytes], dict[bytes, int]] = OrderedDict()
+        self._max = max_parents
+
+    def add(self, partition: Hashable, parent: bytes, tail: bytes, length: int) -> None:
+        key = (partition, parent)
+        tails = self._by_parent.get(key)
+        if tails is None:
+            tails = self._by_parent[key] = {}
+            if len(self._by_parent) > self._max:
+                self._by_parent.popitem(last=False)
+        else:
+            self._by_parent.move_to_end(key)
+        tails[tail] = length
+
+    def best(
+        self,
+        partition: Hashable,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        block_size: int,
+        first: int,
+        limit: int,
+    ) -> TailHit | None:
+        """The deepest tail this request continues that ends past ``first`` blocks and at most
+        ``limit`` tokens in (the last prompt token is always recomputed)."""
+        if not self._by_parent:
+            return None
+        last = min(len(hashes), limit // block_size)
+        for p in range(last, max(first, 1) - 1, -1):
+            tails = self._by_parent.get((partition, hashes[p - 1]))
+            if not tails:
+                continue
+            base = p * block_size
+            best: TailHit | None = None
+            for tail, length in tails.items():
+                if base + length > limit or (best is not None and length <= best.length):
+                    continue
+                if tail_hash(hashes[p - 1], tokens[base : base + length]) == tail:
+                    best = TailHit(p, length, tail)
+            if best is not None:
+                return best
+        return None
+
+    def __len__(self) -> int:
+        return len(self._by_parent)
+
+    def clear(self) -> None:
+        self._by_parent.clear()
+
+
+class PartialTails:
+    """Keeps finished requests' tails in the CPU tier and finds the one a lookup continues.
+
+    Owns only the index of tails and the requests whose blocks vLLM holds for a tail's copy;
+    the slots, locks and eviction are the tree's."""
+
+    def __init__(
+        self, layout: HybridLayout, tree: HybridRadixTree, counters: SchedulerCounters
+    ) -> None:
+        self.layout = layout
+        self.tree = tree
+        self.counters = counters
+        self.index = TailIndex()
+        # Requests whose blocks vLLM holds until the workers report the tail copied.
+        self.sending: set[str] = set()
+
+    def keep(
+        self,
+        request: Request,
+        block_ids: Sequence[Sequence[int]],
+        partition: Hashable,
+        lora_tag: str,
+        plan: StepPlan,
+    ) -> bool:
+        """Plan the copy of ``request``'s tail into ``plan``; True if vLLM must hold its
+        blocks until the workers report it (``finished_sending``)."""
+        bs = self.layout.block_size
+        computed = request.num_computed_tokens
+        p, length = divmod(computed, bs)
+        if not length or not p or getattr(request, "mm_features", None):
+            return False  # on a boundary (a normal hit), or content the tokens do not name
+        hashes = block_hashes(request, self.layout.hashes_per_block)
+        if len(hashes) < p:
+            return False
+        attention = _column(block_ids, self.layout.attention, p)
+        mamba = _column(block_ids, self.layout.mamba, p)  # align mode: the running state
+        if attention is None or mamba is None:
+            return False
+        tokens = request.all_token_ids[p * bs : computed]
+        tail = tail_hash(hashes[p - 1], tokens)
+        path = [*hashes[:p], tail]
+        slot = self.tree.reserve_kv(path, partition, p, from_device=True)
+        if slot is None:
+            return False  # already kept (the same answer again), or no room
+        state = self.tree.reserve_mamba(path, partition, p + 1, from_device=True)
+        if state is None:
+            self.tree.complete_store([slot], [], ok=False)
+            return False
+        plan.kv_stores.add(slot, attention, tail, lora_tag)
+        plan.mamba_stores.add(state, mamba, tail, lora_tag)
+        plan.sends.append(request.request_id)
+        self.sending.add(request.request_id)
+        self.index.add(partition, hashes[p - 1], tail, length)
+        self.counters.tails_stored += 1
+        return True
+
+    def sent(self, req_ids: Iterable[str]) -> None:
+        self.sending.difference_update(req_ids)
+
+    def deeper_hit(
+        self,
+        request: Request,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        start: int,
+        have_blocks: int,
+    ) -> tuple[MatchResult, int] | None:
+        """A host hit through a tail, deeper than ``have_blocks`` whole blocks: the result
+        (its last block the tail) and the tokens it adds past block ``start``."""
+        bs = self.layout.block_size
+        hit = self.index.best(
+            partition,
+            hashes,
+            request.all_token_ids,
+            bs,
+            max(start, have_blocks, 1),
+            request.num_tokens - 1,
+        )
+        if hit is None:
+            return None
+        p = hit.parent_blocks
+        result = self.tree.match([*hashes[:p], hit.tail], partition, start, p + 1)
+        if result.host_num_blocks != p + 1:
+            return None  # evicted (or part of it only in storage)
+        return result, (p - start) * bs + hit.length
+
+
+def _column(
+    block_ids: Sequence[Sequence[int]], groups: Sequence[GroupLayout], index: int
+) -> list[int] | None:
+    """Each group's block at ``index`` of the request's block table (None: one is missing)."""
+    out = []
+    for g in groups:
+        row = block_ids[g.group_id]
+        if len(row) <= index or not row[index]:
+            return None
+        out.append(row[index])
+    return out
