@@ -64,6 +64,7 @@ def kv_config(config: str, cluster_url: str | None, a: argparse.Namespace) -> di
         storage = {"url": cluster_url, **json.loads(a.storage_extra)}
         cpu_gb = a.cpu_cache_gb if a.storage_cpu_cache_gb is None else a.storage_cpu_cache_gb
         extra = {"cpu_cache_gb": cpu_gb, "storage": storage}
+    extra.update(json.loads(a.connector_extra))
     return {
         "kv_connector": "HiMambaConnector",
         "kv_connector_module_path": "himamba.connector",
@@ -262,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--storage-extra", default="{}", help="JSON merged into shared_cluster's storage config"
+    )
+    ap.add_argument(
+        "--connector-extra",
+        default="{}",
+        help="JSON merged into every connector config, e.g. '{\"partial_tail_hits\": true}'",
     )
     ap.add_argument(
         "--bind-cores",

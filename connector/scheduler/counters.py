@@ -24,6 +24,7 @@ class SchedulerCounters(Counters):
     mamba_incomplete_handoffs: int = 0
     tails_stored: int = 0  # finished requests' partial last blocks (with their states) kept
     tail_hits: int = 0  # hits that end inside a block, at a kept tail
+    storage_tails_seen: int = 0  # tails a storage probe found past a request's stored blocks
     resets: int = 0
     storage_writes_planned: int = 0
     storage_probes: int = 0

@@ -98,6 +98,11 @@ class HitBook:
     def barred(self, req_id: str) -> bool:
         return req_id in self._barred
 
+    def unsettled(self, req_id: str) -> bool:
+        """A hit of the request is promised or its load not yet reported: its blocks may not
+        hold the hit's bytes yet."""
+        return req_id in self._pending or req_id in self._inflight
+
     def forget(self, req_id: str) -> None:
         """The request finished: nothing of it is kept."""
         self.release(req_id)

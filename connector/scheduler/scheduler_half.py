@@ -112,6 +112,7 @@ class SchedulerHalf:
             self.generations,
             world_size,
             block_size=self.layout.block_size,
+            tails=self.tails,
         )
 
     def attach_storage(self, planner: StoragePlanner) -> None:
@@ -172,7 +173,12 @@ class SchedulerHalf:
         if self.storage.worth_probing(host_blocks, max_blocks):
             tag = self.lora.tag(request.lora_request)
             self.storage.begin(
-                request.request_id, hashes[:max_blocks], part, request.num_tokens, tag
+                request.request_id,
+                hashes[:max_blocks],
+                part,
+                request.num_tokens,
+                tag,
+                request.all_token_ids,
             )
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -197,7 +203,14 @@ class SchedulerHalf:
         if storage is not None and storage.worth_probing(have, max_blocks):
             if not storage.known(req_id):
                 tag = self.lora.tag(request.lora_request)
-                storage.begin(req_id, hashes[:max_blocks], part, request.num_tokens, tag)
+                storage.begin(
+                    req_id,
+                    hashes[:max_blocks],
+                    part,
+                    request.num_tokens,
+                    tag,
+                    request.all_token_ids,
+                )
             changes = storage.tree_changes
             if storage.must_wait(req_id, start, max_blocks):
                 return None, False
@@ -354,8 +367,10 @@ class SchedulerHalf:
         blocks until the workers report the copy."""
         req_id = request.request_id
         identity = self.stores.identity(req_id)
-        if self.tails is None or identity is None or self.hits.barred(req_id):
+        if self.tails is None or identity is None:
             return False
+        if self.hits.barred(req_id) or self.hits.unsettled(req_id):
+            return False  # its blocks may not hold what its token count says
         return self.tails.keep(request, block_ids, *identity, self._plan)
 
     def on_finished(self, request: Request) -> None:

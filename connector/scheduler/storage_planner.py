@@ -48,6 +48,7 @@ from himamba.connector.scheduler.fetch_ledger import FetchLedger, FetchOutcome
 from himamba.connector.scheduler.fetch_slots import Refused, reserve_fetch
 from himamba.connector.scheduler.generations import StorageGenerations
 from himamba.connector.scheduler.missing_objects import MissingObjects
+from himamba.connector.scheduler.tails import PartialTails, TailProbe, tail_probe
 from himamba.connector.tree import HybridRadixTree, LockHandle
 from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.object_format import StorageKey
@@ -94,6 +95,11 @@ class _Request:
     start_block: int | None = None
     # Blocks fetched from storage for this request (hit-source metrics count those it used).
     fetched_blocks: frozenset[int] = frozenset()
+    # Its tokens and the last one a hit may reach, while partial tails are probed for.
+    tokens: Sequence[int] | None = None
+    limit: int = 0
+    # The tail probe in flight (after the block probe's answer), if any.
+    tail: TailProbe | None = None
 
 
 @dataclass
@@ -120,8 +126,13 @@ class StoragePlanner:
         generations: StorageGenerations,
         world_size: int = 1,
         block_size: int = 1,
+        tails: PartialTails | None = None,
     ) -> None:
         self.cfg = cfg
+        self.block_size = block_size
+        # Partial tails (``scheduler.tails``): probed for past the stored blocks, fetched
+        # like a block and its state.
+        self.tails = tails
         # Blocks a storage hit must add to be probed and fetched (prefetch_threshold_tokens).
         self.min_gain_blocks = max(1, -(-cfg.prefetch_threshold_tokens // block_size))
         self.store = store
@@ -155,13 +166,17 @@ class StoragePlanner:
         partition: Hashable,
         num_tokens: int,
         lora_tag: str = "",
+        tokens: Sequence[int] | None = None,
     ) -> None:
-        """Start the request's probe now (idempotent)."""
+        """Start the request's probe now (idempotent). ``tokens``: the request's, when a
+        partial tail past its stored blocks is worth looking for."""
         if req_id in self._requests or not hashes:
             return
         wait = prefetch_deadline_s(self.cfg, num_tokens)
         deadline = time.monotonic() + (wait if math.isfinite(wait) else 3600.0)
         st = _Request(list(hashes), partition, deadline, waits=wait > 0, lora_tag=lora_tag)
+        if self.tails is not None:
+            st.tokens, st.limit = tokens, num_tokens - 1
         self._requests[req_id] = st
         if len(hashes) == 1:
             self._probe_rest(req_id, st)
@@ -331,6 +346,8 @@ class StoragePlanner:
         st.phase = Phase.SETTLED
         if st.head_only:
             return self._on_head_answer(req_id, st, res)
+        if st.tail is not None:
+            return self._on_tail_answer(req_id, st, res)
         n = len(st.hashes)
         if res.error is not None or len(res.ok) != 2 * n:
             return False
@@ -347,13 +364,43 @@ class StoragePlanner:
         self.tree_changes += 1
         self.tree.mark_storage(st.hashes, st.partition, prefix, ends)
         self.counters.storage_blocks_seen += prefix
+        if st.tokens is not None:
+            st.tail = tail_probe(st.hashes, st.tokens, prefix, self.block_size, st.limit, ends)
+            if st.tail is not None:  # one more round: the tail past the stored blocks
+                st.phase = Phase.PROBING
+                salt = key_salt(self.epoch, st.lora_tag)
+                self._submit_probe(req_id, st, st.tail.keys(salt))
+                return True
         if not ends:
             return False
+        self._answered(req_id, st)
+        return False
+
+    def _on_tail_answer(self, req_id: str, st: _Request, res: TaskResult) -> bool:
+        """The tail probe's answer: the longest tail storage holds whole (KV page and state)
+        joins the tree, and the request's fetch goes down its path."""
+        probe, st.tail = st.tail, None
+        assert probe is not None and self.tails is not None
+        found = probe.longest(res, lambda kind, h: self._missing.has(kind, h, self.epoch))
+        if found is not None:
+            k, length, tail = probe.parent_blocks, found[0], found[1]
+            path = [*st.hashes[:k], tail]
+            self.tree_changes += 1
+            self.tree.mark_storage(path, st.partition, k + 1, [k + 1])
+            self.tails.index.add(st.partition, st.hashes[k - 1], tail, length)
+            self.counters.storage_tails_seen += 1
+            st.hashes = path
+        elif not probe.block_states:
+            return False
+        self._answered(req_id, st)
+        return False
+
+    def _answered(self, req_id: str, st: _Request) -> None:
+        """Storage holds a hit for the request: fetch it now, or at its lookup."""
         if st.start_block is None and st.waits:
             st.phase = Phase.ANSWERED  # the fetch starts at the lookup, past the device hit
         elif self._start_fetch(req_id, st):
             st.phase = Phase.FETCHING
-        return False
 
     def _on_head_answer(self, req_id: str, st: _Request, res: TaskResult) -> bool:
         """Block 0's KV object: without it storage holds no hit for this prompt (the request

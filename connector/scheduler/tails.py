@@ -26,15 +26,17 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from himamba.connector.layout import GroupLayout, HybridLayout
-from himamba.connector.protocol import StepPlan
+from himamba.connector.protocol import ObjectKind, StepPlan
 from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.host_stores import block_hashes
 from himamba.connector.tree import HybridRadixTree, MatchResult
+from himamba.tiers.object_format import StorageKey
+from himamba.tiers.storage_records import TaskResult
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -47,12 +49,28 @@ MAX_PARENTS = 8192
 
 
 def tail_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The name of the tail that continues block hash ``parent`` with ``tokens``."""
+    """The name of the tail that continues block hash ``parent`` with ``tokens`` (fixed-width
+    tokens, then their count: unambiguous, and every prefix's name costs one more update)."""
     h = hashlib.blake2b(_DOMAIN, digest_size=32)
     h.update(parent)
-    h.update(len(tokens).to_bytes(4, "little"))
     h.update(array("q", tokens).tobytes())
+    h.update(len(tokens).to_bytes(4, "little"))
     return h.digest()
+
+
+def tail_candidates(parent: bytes, tokens: Sequence[int]) -> list[bytes]:
+    """``tail_hash(parent, tokens[:n])`` for n = 1 .. len(tokens): the names a tail under
+    ``parent`` could have for a request continuing with ``tokens`` (a storage probe cannot
+    list a parent's tails, so it asks for each length)."""
+    h = hashlib.blake2b(_DOMAIN, digest_size=32)
+    h.update(parent)
+    out = []
+    for n, token in enumerate(tokens, 1):
+        h.update(token.to_bytes(8, "little", signed=True))
+        c = h.copy()
+        c.update(n.to_bytes(4, "little"))
+        out.append(c.digest())
+    return out
 
 
 @dataclass(frozen=True)
@@ -117,6 +135,52 @@ class TailIndex:
 
     def clear(self) -> None:
         self._by_parent.clear()
+
+
+@dataclass
+class TailProbe:
+    """A storage probe for the tail past a request's stored blocks: one name per length."""
+
+    parent_blocks: int
+    names: list[bytes]  # names[i]: the tail of length i + 1
+    block_states: bool  # the block probe found a state to hit at anyway
+
+    def keys(self, salt: str) -> list[StorageKey]:
+        """Each candidate's KV page, then each one's state (the order of the answer)."""
+        kv = [StorageKey(h, ObjectKind.KV, salt) for h in self.names]
+        return kv + [StorageKey(h, ObjectKind.MAMBA, salt) for h in self.names]
+
+    def longest(
+        self, res: TaskResult, missing: Callable[[ObjectKind, bytes], bool]
+    ) -> tuple[int, bytes] | None:
+        """(length, name) of the longest tail whose page and state storage both hold."""
+        n = len(self.names)
+        if res.error is not None or len(res.ok) != 2 * n:
+            return None
+        for i in range(n - 1, -1, -1):
+            h = self.names[i]
+            if res.ok[i] and res.ok[n + i]:
+                if not missing(ObjectKind.KV, h) and not missing(ObjectKind.MAMBA, h):
+                    return i + 1, h
+        return None
+
+
+def tail_probe(
+    hashes: Sequence[bytes],
+    tokens: Sequence[int],
+    stored_blocks: int,
+    block_size: int,
+    limit: int,
+    block_states: Sequence[int],
+) -> TailProbe | None:
+    """The probe for a tail right after the ``stored_blocks`` blocks storage holds, ending at
+    most ``limit`` tokens in; None when no tail can fit."""
+    k = stored_blocks
+    room = min(block_size - 1, limit - k * block_size)
+    if k < 1 or room < 1:
+        return None
+    names = tail_candidates(hashes[k - 1], tokens[k * block_size : k * block_size + room])
+    return TailProbe(k, names, bool(block_states))
 
 
 class PartialTails:

@@ -221,3 +221,25 @@ def test_a_tail_whose_tokens_differ_is_not_hit(granite_model):
     assert [t["tokens"] for t in got["turns"]] == [t["tokens"] for t in want["turns"]]
     assert got["turns"][1]["cached"] == boundary(computed - 2, bs)
     assert got["stats"]["tail_hits"] == 0 and got["stats"]["tails_stored"] == 2
+
+
+def test_a_fresh_process_hits_the_previous_answers_tail_from_storage(
+    granite_model, reference, tmp_path
+):
+    """Process 1 serves turn 1; its tail goes through the CPU tier to storage with its blocks.
+    Process 2 starts empty and is asked turn 2: its probe finds the tail past the stored blocks
+    (one name per possible length), fetches page and state, and hits every token turn 1
+    computed, token-exact. This is what a replica reading another replica's answer gets."""
+    extra = {**TAILS, "storage": {"url": f"file://{tmp_path}"}}
+    args = {"model": str(granite_model), "max_model_len": LONG, "extra": extra}
+    run_scenario("conversation", {**args, "turns": TURNS[:1]})
+    ref = reference["turns"]
+    turn2 = TURNS[0]["new"] + ref[0]["tokens"] + TURNS[1]["new"]
+    read = run_scenario(
+        "conversation", {**args, "turns": [{"new": turn2, "max_tokens": TURNS[1]["max_tokens"]}]}
+    )
+    got, bs = read["turns"][0], read["block_size"]
+    assert got["tokens"] == ref[1]["tokens"]
+    assert got["cached"] == computed_hits(ref)[1] and got["cached"] % bs
+    assert read["stats"]["storage_tails_seen"] == 1 and read["stats"]["tail_hits"] == 1
+    assert read["leaks"]["storage_fetches_open"] == 0 and read["leaks"]["locked_entries"] == 0

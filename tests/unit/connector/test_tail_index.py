@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
-from himamba.connector.scheduler.tails import TailHit, TailIndex, tail_hash
+from himamba.connector.scheduler.tails import TailHit, TailIndex, tail_candidates, tail_hash
 
 BS = 4
 
@@ -93,3 +93,11 @@ def test_the_oldest_parents_are_forgotten_past_the_limit() -> None:
     assert len(index) == 2
     assert best(index, prompts[0] + [9]) is None
     assert best(index, prompts[2] + [9]) is not None
+
+
+def test_candidates_name_every_prefix_as_tail_hash_does() -> None:
+    parent, tokens = b"p" * 32, [5, -1, 2**40, 0, 7]
+    assert tail_candidates(parent, tokens) == [
+        tail_hash(parent, tokens[:n]) for n in range(1, len(tokens) + 1)
+    ]
+    assert len(set(tail_candidates(parent, tokens))) == len(tokens)
