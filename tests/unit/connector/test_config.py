@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from himamba.connector.config import ConfigError, HiMambaConfig
@@ -59,3 +61,27 @@ def test_unreadable_or_malformed_config_file_names_the_file(tmp_path):
     typo.write_text("cpu_cache_gbs: 3\n")
     with pytest.raises(ConfigError, match="cpu_cache_gbs"):
         HiMambaConfig.from_extra_config({"config_file": str(typo)})
+
+
+def test_partial_tails_turn_off_where_a_finished_count_is_not_what_blocks_hold(caplog) -> None:
+    """Async scheduling counts a token scheduled for a forward that may not have run, and
+    speculative decoding counts unverified drafts: a tail kept at that count would name bytes
+    its blocks do not hold, so the option is refused there, with a warning."""
+    from types import SimpleNamespace
+
+    from himamba.connector.vllm_fixups.engine_config import partial_tails_allowed
+
+    cfg = HiMambaConfig.from_extra_config({"partial_tail_hits": True})
+
+    def vllm(async_on: bool, spec: object = None) -> Any:
+        return SimpleNamespace(
+            scheduler_config=SimpleNamespace(async_scheduling=async_on), speculative_config=spec
+        )
+
+    assert partial_tails_allowed(vllm(False), cfg).partial_tail_hits
+    with caplog.at_level("WARNING", logger="himamba"):
+        assert not partial_tails_allowed(vllm(True), cfg).partial_tail_hits
+        assert not partial_tails_allowed(vllm(False, object()), cfg).partial_tail_hits
+    assert sum("partial_tail_hits turned off" in r.message for r in caplog.records) == 2
+    off = HiMambaConfig.from_extra_config({})
+    assert partial_tails_allowed(vllm(True), off) is off
