@@ -208,10 +208,10 @@ class StepPlan:
     # Host slots the scheduler freed since the last plan (only under write-back, where the
     # worker remembers which slots hold bytes storage lacks; a freed slot holds nothing).
     freed_kv: list[int] = field(default_factory=list)
+    freed_mamba: list[int] = field(default_factory=list)
     # Finished requests whose blocks vLLM holds until this plan's stores (their partial
     # tails) are copied: each worker reports them in ``finished_sending`` then.
     sends: list[str] = field(default_factory=list)
-    freed_mamba: list[int] = field(default_factory=list)
     generation: Generation = Generation()
     # ``StorageConfig.identity()`` of the scheduler half's store ("": none): a rank that
     # switched stores knows the switch was followed when this names its own.

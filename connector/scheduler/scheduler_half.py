@@ -2,7 +2,9 @@
 
 Rules that keep hybrid hits exact (see shared notes on the connector contract):
 - a hit ends at a block boundary P where the host has KV for every block in
-  [local hit, P) AND a Mamba state for exactly P; never a KV-only hit;
+  [local hit, P) AND a Mamba state for exactly P; never a KV-only hit. With partial tails
+  (``tails``) it may end inside block P instead, at a finished request's last computed
+  token, where the host has that block's page and the state after exactly that token;
 - P <= num_tokens - 1, since vLLM recomputes the last prompt token and a full
   prompt load would be rewound to a point with no matching state;
 - Mamba states are stored only from vLLM's boundary hand-offs (exact block
