@@ -381,14 +381,10 @@ class StoragePlanner:
         joins the tree, and the request's fetch goes down its path."""
         probe, st.tail = st.tail, None
         assert probe is not None and self.tails is not None
-        found = probe.longest(res, lambda kind, h: self._missing.has(kind, h, self.epoch))
-        if found is not None:
-            k, length, tail = probe.parent_blocks, found[0], found[1]
-            path = [*st.hashes[:k], tail]
+        missing = lambda kind, h: self._missing.has(kind, h, self.epoch)  # noqa: E731
+        path = self.tails.adopt(probe, res, st.hashes, st.partition, missing)
+        if path is not None:
             self.tree_changes += 1
-            self.tree.mark_storage(path, st.partition, k + 1, [k + 1])
-            self.tails.index.add(st.partition, st.hashes[k - 1], tail, length)
-            self.counters.storage_tails_seen += 1
             st.hashes = path
         elif not probe.block_states:
             return False

@@ -239,6 +239,27 @@ class PartialTails:
         self.counters.tails_stored += 1
         return True
 
+    def adopt(
+        self,
+        probe: TailProbe,
+        res: TaskResult,
+        hashes: Sequence[bytes],
+        partition: Hashable,
+        missing: Callable[[ObjectKind, bytes], bool],
+    ) -> list[bytes] | None:
+        """Fold a tail probe's answer in: the longest tail storage holds whole joins the tree
+        (as in storage) and the index. Returns the path through it, for the fetch; None if
+        storage holds none."""
+        found = probe.longest(res, missing)
+        if found is None:
+            return None
+        k, (length, tail) = probe.parent_blocks, found
+        path = [*hashes[:k], tail]
+        self.tree.mark_storage(path, partition, k + 1, [k + 1])
+        self.index.add(partition, hashes[k - 1], tail, length)
+        self.counters.storage_tails_seen += 1
+        return path
+
     def sent(self, req_ids: Iterable[str]) -> None:
         self.sending.difference_update(req_ids)
 
