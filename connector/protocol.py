@@ -216,6 +216,8 @@ class StepPlan:
     # ``StorageConfig.identity()`` of the scheduler half's store ("": none): a rank that
     # switched stores knows the switch was followed when this names its own.
     storage_id: str = ""
+    # vLLM scheduled no tokens: the step runs no forward, only the connector's own work.
+    engine_idle: bool = False
 
     @property
     def epoch(self) -> str:

@@ -300,8 +300,9 @@ class SchedulerHalf:
         self.counters.steps += 1
         self.stores.plan(plan, scheduler_output)
         storage = self.storage
+        plan.engine_idle = not scheduler_output.total_num_scheduled_tokens
         if storage is not None:
-            if not scheduler_output.total_num_scheduled_tokens:
+            if plan.engine_idle:
                 storage.idle_wait()  # only requests waiting on storage: do not spin
             # Before this plan's stores are committed: a fetch reserving slots now can only
             # evict slots of earlier plans, never one this plan stores into.
@@ -445,6 +446,6 @@ class SchedulerHalf:
         out["host_mamba_evictions"] = t.mamba_evicted + t.mamba_cascaded
         if self.storage is not None:
             out.update(self.storage.pending())
-            ledger = self.storage.ledger.counters.as_dict()
+            ledger = self.storage.fetches.ledger_counters.as_dict()
             out.update({f"fetch_{k}": v for k, v in ledger.items()})
         return out

@@ -16,7 +16,7 @@ longer than its policy allows:
   never reads blocks the device already has.
 - FETCHING: host slots are reserved for the storage-only part of the deepest hit that fits,
   beyond vLLM's device hit, with the request's path pinned so the reservation cannot evict the
-  prefix being fetched. Bytes move storage -> host on the workers (``fetch_ledger``); the hit
+  prefix being fetched (``storage_fetches``). Bytes move storage -> host on the workers; the hit
   becomes an ordinary host hit.
 - SETTLED: the request takes whatever the host tier has.
 
@@ -44,12 +44,11 @@ from dataclasses import dataclass
 
 from himamba.connector.protocol import FetchAck, FetchOrder, ObjectKind, key_salt
 from himamba.connector.scheduler.counters import SchedulerCounters
-from himamba.connector.scheduler.fetch_ledger import FetchLedger, FetchOutcome
-from himamba.connector.scheduler.fetch_slots import Refused, reserve_fetch
 from himamba.connector.scheduler.generations import StorageGenerations
 from himamba.connector.scheduler.missing_objects import MissingObjects
+from himamba.connector.scheduler.storage_fetches import Settled, StorageFetches
 from himamba.connector.scheduler.tails import PartialTails, TailProbe, tail_probe
-from himamba.connector.tree import HybridRadixTree, LockHandle
+from himamba.connector.tree import HybridRadixTree
 from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.object_format import StorageKey
 from himamba.tiers.storage_config import StorageConfig, prefetch_deadline_s
@@ -102,20 +101,6 @@ class _Request:
     tail: TailProbe | None = None
 
 
-@dataclass
-class _Fetch:
-    req_id: str
-    # Cancel the fetch when this request finishes: it was fetched for the request's own wait.
-    # Background fetches (best_effort, or a wait that timed out) warm the host for later ones.
-    tied_to_request: bool
-    pin: LockHandle  # over the fetched path
-    hashes: Sequence[bytes]
-    partition: Hashable
-    # Block index each item belongs to (KV: its block; Mamba: the last block before its boundary).
-    indexes: list[int]
-    num_kv: int
-
-
 class StoragePlanner:
     def __init__(
         self,
@@ -141,13 +126,22 @@ class StoragePlanner:
         self.generations = generations
         self.planner = generations.new_planner()
         self.storage_id = cfg.identity()
-        self.ledger = FetchLedger(world_size, self._settle_fetch, generations, self.planner)
         self._requests: dict[str, _Request] = {}
         self._probe_owner: dict[int, str] = {}
-        self._fetches: dict[int, _Fetch] = {}
         self._probe_wait_s = cfg.probe_wait_ms / 1000
         self._wait_budget = self._probe_wait_s
         self._missing = MissingObjects()  # masked out of probe answers
+        self.fetches = StorageFetches(
+            tree,
+            counters,
+            generations,
+            self.planner,
+            world_size,
+            cfg.op_deadline_s,
+            self.min_gain_blocks,
+            self._missing,
+            self._fetch_settled,
+        )
         # Moves whenever the planner may have changed the tree (storage marks from a probe
         # answer, a fetch reserved or settled): a lookup matches again only if it moved.
         self.tree_changes = 0
@@ -239,8 +233,8 @@ class StoragePlanner:
             # polled it): storage is slow, not the engine's steps.
             self.store.report_slow("a storage probe outlived its request's prefetch deadline")
         st.waits = False  # the work goes on in the background; this request goes ahead
-        if st.fetch_id is not None and st.fetch_id in self._fetches:
-            self._fetches[st.fetch_id].tied_to_request = False
+        if st.fetch_id is not None:
+            self.fetches.untie(st.fetch_id)
         return False
 
     def _wait_for_probe(self, st: _Request) -> None:
@@ -262,9 +256,8 @@ class StoragePlanner:
             return
         if st.probe_task is not None:
             self._probe_owner.pop(st.probe_task, None)
-        ctx = None if st.fetch_id is None else self._fetches.get(st.fetch_id)
-        if ctx is not None and ctx.tied_to_request:
-            self.ledger.abandon(st.fetch_id)  # type: ignore[arg-type]
+        if st.fetch_id is not None:
+            self.fetches.drop_if_tied(st.fetch_id)
 
     def storage_blocks_used(self, req_id: str, start: int, end: int) -> int:
         """How many blocks of a hit on ``[start, end)`` this request's fetch brought in."""
@@ -278,8 +271,7 @@ class StoragePlanner:
         """Once per engine step: fold in answers, reclaim overdue fetches, hand out the outbox."""
         self._wait_budget = self._probe_wait_s
         self._drain()
-        self.ledger.expire(time.monotonic())
-        return self.ledger.take_outbox()
+        return self.fetches.step(time.monotonic())
 
     def idle_wait(self) -> None:
         """The engine scheduled nothing this step: wait up to ``IDLE_PROBE_WAIT_S`` for the
@@ -290,20 +282,20 @@ class StoragePlanner:
             res = self.store.wait(next(iter(self._probe_owner)), IDLE_PROBE_WAIT_S)
             if res is not None:
                 self._on_probe_answer(res)
-        elif len(self.ledger):
+        elif len(self.fetches):
             time.sleep(IDLE_WAIT_S)
 
     def on_acks(self, acks: Sequence[FetchAck]) -> None:
-        self.ledger.on_acks(acks)
+        self.fetches.on_acks(acks)
 
     def has_work(self) -> bool:
         """Fetches in flight need engine steps to be acknowledged (vLLM: has_pending_push_work)."""
-        return len(self.ledger) > 0
+        return len(self.fetches) > 0
 
     def reset(self) -> None:
         """The epoch moved (``StorageGenerations.new_epoch``): every fetch and probe in flight
         is of the old one; abandon them and let every request take what the host has."""
-        self.ledger.abandon_all()
+        self.fetches.abandon_all()
         self._probe_owner.clear()
         self._missing.clear()
         for st in self._requests.values():
@@ -312,8 +304,8 @@ class StoragePlanner:
     def close(self) -> list[int]:
         """Detached: abandon every fetch (slots return at once); returns the fetch ids the
         workers must still be told to cancel (the caller sends them with the next plan)."""
-        self.ledger.abandon_all()
-        _, cancels = self.ledger.take_outbox()
+        self.fetches.abandon_all()
+        cancels = self.fetches.take_cancels()
         self._probe_owner.clear()
         self._requests.clear()
         return cancels
@@ -413,71 +405,34 @@ class StoragePlanner:
 
     # -- fetches -------------------------------------------------------------------------
     def _start_fetch(self, req_id: str, st: _Request) -> bool:
-        """Reserve host slots for the storage-only part of the deepest hit that fits."""
+        """Fetch the storage-only part of the request's deepest hit that fits (``fetches``)."""
         self.tree_changes += 1
-        start = st.start_block or 0
-        res = self.tree.match(st.hashes, st.partition, start, len(st.hashes))
-        have = max(res.host_num_blocks, start)
-        if res.num_blocks <= have:
-            return False
-        if res.num_blocks - have < self.min_gain_blocks:
-            self.counters.storage_fetch_below_threshold += 1
-            return False
-        got = reserve_fetch(self.tree, st.hashes, st.partition, res, have, self.min_gain_blocks)
-        if isinstance(got, Refused):
-            self.counters[got.value] += 1
-            return False
-        if got.shortened:
-            self.counters.storage_fetch_shortened += 1
-        # Every storage op ends by its deadline after reaching the adapter, so acknowledgements
-        # are due within a few deadlines; later, a rank died or an acknowledgement was lost, and
-        # the fetch is given up (cancelled, its slots reclaimed).
-        expires = time.monotonic() + 3 * self.cfg.op_deadline_s
-        fid = self.ledger.open(got.items, expires, st.lora_tag)
-        self._fetches[fid] = _Fetch(
-            req_id, st.waits, got.pin, st.hashes, st.partition, got.indexes, got.num_kv
+        fid = self.fetches.start(
+            req_id, st.hashes, st.partition, st.start_block or 0, st.waits, st.lora_tag
         )
         st.fetch_id = fid
-        self.counters.storage_fetches += 1
-        return True
+        return fid is not None
 
-    def _settle_fetch(self, order: FetchOrder, ok: list[bool], outcome: FetchOutcome) -> None:
-        ctx = self._fetches.pop(order.fetch_id)
+    def _fetch_settled(self, done: Settled) -> None:
         self.tree_changes += 1
-        for item, good, index in zip(order.items, ok, ctx.indexes, strict=True):
-            if item.kind == ObjectKind.KV:
-                self.tree.complete_store([item.slot], [], ok=good)
-            else:
-                self.tree.complete_store([], [item.slot], ok=good)
-            if outcome is FetchOutcome.DONE:
-                self.counters["storage_fetched" if good else "storage_fetch_failed"] += 1
-                if not good:
-                    # Storage said yes but the bytes were missing or invalid on some rank:
-                    # forget them (and, conservatively, everything stored after them), and do
-                    # not believe the next probe that says yes until they are written again.
-                    self.tree.evict_storage(ctx.hashes, ctx.partition, index, None)
-                    self._missing.remember(item.kind, item.block_hash, order.generation.epoch)
-        self.tree.unlock(ctx.pin)
-        if outcome is FetchOutcome.ABANDONED:
-            self.counters.storage_fetches_abandoned += 1
-        st = self._requests.get(ctx.req_id)
-        if st is not None and st.fetch_id == order.fetch_id:
+        st = self._requests.get(done.req_id)
+        if st is not None and st.fetch_id == done.fetch_id:
             st.fetch_id = None
             st.phase = Phase.SETTLED
-            if outcome is FetchOutcome.DONE and all(ok):
-                st.fetched_blocks = frozenset(ctx.indexes[: ctx.num_kv])
+            if done.fetched_blocks is not None:
+                st.fetched_blocks = done.fetched_blocks
 
     # -- introspection ---------------------------------------------------------------------
     def pending(self) -> dict[str, int]:
         return {
             "storage_probes_pending": len(self._probe_owner),
-            "storage_fetches_pending": len(self.ledger),
+            "storage_fetches_pending": len(self.fetches),
         }
 
     def leak_report(self) -> dict[str, int]:
         return {
             "storage_requests": len(self._requests),
             "storage_probes_pending": len(self._probe_owner),
-            "storage_fetches_open": len(self.ledger),
-            "storage_fetch_slots_held": self.ledger.held_slots(),
+            "storage_fetches_open": len(self.fetches),
+            "storage_fetch_slots_held": self.fetches.held_slots(),
         }

@@ -38,8 +38,14 @@ from himamba.tiers.object_format import HEADER_SIZE
 from himamba.tiers.transfer import CopyPlan, LayerBlocks, plan_copies
 from himamba.tiers.transfer_engine import make_copy_engine
 
-# An engine step that moves no bytes while storage fetches are outstanding sleeps this long, so
-# the store's threads get the GIL to finish the very fetches the engine is spinning on.
+# A step that runs no forward (vLLM scheduled nothing: its requests wait on storage) while
+# fetches are outstanding blocks, GIL released, until the oldest fetch's result is in, at most
+# IDLE_FETCH_WAIT_S; the engine would otherwise spin empty steps that take the CPU and the GIL
+# from the very threads reading those bytes. bench_fleet, 39 fetches of ~7 MB per arm: median
+# 49.6 -> 37.3 ms with the wait (docs/BENCHMARKS.md). A request arriving meanwhile waits as
+# long at most, as for the scheduler's probe wait. A step that runs a forward but moves no
+# host bytes only yields IDLE_YIELD_S, so other requests' tokens are not held back.
+IDLE_FETCH_WAIT_S = 0.02
 IDLE_YIELD_S = 0.0005
 
 logger = logging.getLogger(__name__)
@@ -74,6 +80,7 @@ class WorkerHalf:
         self._sent: set[str] = set()
         self._failed: set[str] = set()
         self._idle_step = False
+        self._engine_idle = False
         self.counters = CopyCounters()
         # Per-operation observations for the Prometheus histograms (connector.stats drains it).
         self.recorder = StatsRecorder()
@@ -166,23 +173,23 @@ class WorkerHalf:
     # -- per step --------------------------------------------------------------
     def fence(self) -> None:
         """Called before vLLM can rewrite any block of this step. On CPU it waits for every
-        store still copying (not for the storage writes they start); on a GPU the device already orders them (the compute stream waits
-        for each store's event), so it only hands the completed ones on. Completed stores go on
-        to storage."""
+        store still copying (not for the storage writes they start); on a GPU the device
+        already orders them (the compute stream waits for each store's event), so it only hands
+        the completed ones on (``_stores_done``)."""
         if self.copies is None:
             return
         if self.copies.engine.overlaps_compute:
-            self._to_storage(self.copies.reap_stores())
+            self._stores_done(self.copies.reap_stores())
         else:
             # The writes these stores start copy on the copy thread, during the forward.
-            self._to_storage(self.copies.wait_stores())
+            self._stores_done(self.copies.wait_stores())
 
     def settle(self) -> None:
         """Wait for every store still copying, on any engine: before host slots are read on
         this thread's behalf (storage writes of host objects), before storage is flushed,
         detached or closed, and in an idle step (so the last stores reach storage)."""
         if self.copies is not None:
-            self._to_storage(self.copies.wait_stores())
+            self._stores_done(self.copies.wait_stores())
             # Writes' copies out of host slots: done before a slot is lent to the adapter.
             self.copies.wait_calls()
 
@@ -191,7 +198,9 @@ class WorkerHalf:
         self.settle()
         return self.storage is None or self.storage.flush(timeout_s)
 
-    def _to_storage(self, stores: list[StoreDone]) -> None:
+    def _stores_done(self, stores: list[StoreDone]) -> None:
+        """Completed stores: the requests whose partial tails they copied may be freed
+        (``take_sent``), and the stored objects go on to storage."""
         for done in stores:
             self._sent.update(done.sends)
         if self.storage is None:
@@ -211,6 +220,7 @@ class WorkerHalf:
         else:
             self.fence()
         self._idle_step = not plan.moves_bytes()
+        self._engine_idle = plan.engine_idle
         if self.storage is None:
             # Detached while the scheduler still planned fetches: fail them back at once.
             self._orphan_acks += [
@@ -290,13 +300,15 @@ class WorkerHalf:
 
     def take_results(self) -> tuple[set[str], set[str]]:
         if self.copies is not None:
-            self._to_storage(self.copies.reap_stores())  # write-through starts once copied
+            self._stores_done(self.copies.reap_stores())  # write-through starts once copied
             self.copies.reap_calls()
             done, failed = self.copies.reap_loads(wait=not self.copies.engine.overlaps_compute)
             self._finished |= done
             self._failed |= failed
         if self.storage is not None:
-            if self._idle_step and self.storage.outstanding():
+            if self._engine_idle and self.storage.outstanding():
+                self.storage.wait_for_fetch(IDLE_FETCH_WAIT_S)
+            elif self._idle_step and self.storage.outstanding():
                 time.sleep(IDLE_YIELD_S)
             self.storage.poll()
         finished, failed = self._finished, self._failed

@@ -85,6 +85,8 @@ class WorkerStorage:
         )
         self._lru_bytes = 0
         self._acks: list[FetchAck] = []
+        # Results ``wait_for_fetch`` took from the store, for the next ``poll``.
+        self._waited: list[TaskResult] = []
         self.counters = StorageTrafficCounters()
         # Metrics: per-op histograms and per-kind counts; submit time of each live store task.
         self.recorder = StatsRecorder()
@@ -229,8 +231,19 @@ class WorkerStorage:
     def outstanding(self) -> bool:
         return bool(self._gets)
 
+    def wait_for_fetch(self, timeout_s: float) -> None:
+        """Block until the oldest live fetch's result is in, at most ``timeout_s`` (the
+        caller's step has nothing else to do); the next ``poll`` handles what came."""
+        if self._gets:
+            res = self.store.wait(next(iter(self._gets)), timeout_s)
+            if res is not None:
+                self._waited.append(res)
+
     def poll(self) -> None:
-        for res in self.store.poll():
+        results = self.store.poll()
+        if self._waited:
+            results, self._waited = [*self._waited, *results], []
+        for res in results:
             started = self._started.pop(res.task_id, None)
             get = self._gets.pop(res.task_id, None)
             if get is not None:

@@ -233,3 +233,28 @@ def test_a_writes_copy_into_store_memory_runs_on_the_copy_thread_not_the_callers
     assert bool((read_slot(ws.pools[KV], 2) == 11).all())
     ws.close()
     copies.close()
+
+
+def test_an_idle_steps_wait_ends_with_the_fetch_and_its_ack_comes_once(tmp_path):
+    """An engine step with nothing to do but wait for a fetch blocks for it instead of
+    spinning: the wait ends when the bytes are in (not at its timeout), and the result it
+    took is acknowledged by the next poll, exactly once."""
+    ws = worker(tmp_path, store=store_reading_late(tmp_path, 0.3))
+    fill(ws, KV, 0, 5)
+    ws.on_stored(KV, [0], [b"w" * 32])
+    settle(ws, lambda: ws.counters["storage_puts_ok"] == 1)
+    fill(ws, KV, 1, 0)
+    ws.fetch([FetchOrder(3, (FetchItem(KV, b"w" * 32, 1),))])
+    t0 = time.monotonic()
+    ws.wait_for_fetch(0.02)  # the adapter starts reading only after 0.3 s
+    assert time.monotonic() - t0 < 0.25 and ws.outstanding()
+    t0 = time.monotonic()
+    ws.wait_for_fetch(30.0)
+    assert time.monotonic() - t0 < 10.0  # returned with the result, long before the timeout
+    ws.poll()
+    assert [(a.fetch_id, a.ok) for a in ws.take_acks()] == [(3, (True,))]
+    assert bool((read_slot(ws.pools[KV], 1) == 5).all()) and not ws.outstanding()
+    ws.wait_for_fetch(0.01)  # nothing outstanding: returns at once, takes nothing
+    ws.poll()
+    assert ws.take_acks() == []
+    ws.close()
