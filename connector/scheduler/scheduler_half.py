@@ -445,7 +445,5 @@ class SchedulerHalf:
         out["host_kv_evictions"] = t.kv_evicted + t.kv_cascaded
         out["host_mamba_evictions"] = t.mamba_evicted + t.mamba_cascaded
         if self.storage is not None:
-            out.update(self.storage.pending())
-            ledger = self.storage.fetches.ledger_counters.as_dict()
-            out.update({f"fetch_{k}": v for k, v in ledger.items()})
+            out.update(self.storage.stats())
         return out

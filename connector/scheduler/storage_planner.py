@@ -423,10 +423,13 @@ class StoragePlanner:
                 st.fetched_blocks = done.fetched_blocks
 
     # -- introspection ---------------------------------------------------------------------
-    def pending(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int]:
+        """Probes and fetches in flight, and the fetch ledger's counters (``fetch_*``)."""
+        ledger = self.fetches.ledger_counters.as_dict()
         return {
             "storage_probes_pending": len(self._probe_owner),
             "storage_fetches_pending": len(self.fetches),
+            **{f"fetch_{k}": v for k, v in ledger.items()},
         }
 
     def leak_report(self) -> dict[str, int]:
