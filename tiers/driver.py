@@ -46,6 +46,13 @@ class Driver:
         os.set_blocking(self._wake_w, False)
         self._pipe_lock = threading.Lock()  # no wake-up write into a closed (reused) fd
         self._pipe_open = True
+        # A wake-up byte is in the pipe and the thread has not started its round yet: later
+        # posts need not write another. Each write is a system call that lets go of the GIL,
+        # and a poster that lets go and takes it back every millisecond (an arrival burst
+        # probing each prompt) starves this thread: CPython's waiter only forces a switch
+        # after 5 ms with no hand-over at all, so it waited out whole bursts (250 ms for 256
+        # prompts in bench_scheduler_step) while the probes it should answer piled up.
+        self._wake_pending = False
         self._stop = threading.Event()
         self._lock = threading.RLock()  # held by whoever runs posted work off the thread
         self._stopped = False  # the thread left its loop: `post` runs work inline
@@ -94,9 +101,12 @@ class Driver:
 
     # ------------------------------------------------------------------ internals
     def _wake(self) -> None:
+        if self._wake_pending:
+            return  # the thread has not begun its round: it takes this post in it
         with self._pipe_lock:
             if not self._pipe_open:
                 return
+            self._wake_pending = True
             try:
                 os.write(self._wake_w, b"x")
             except OSError:
@@ -132,6 +142,9 @@ class Driver:
                 )
             except (OSError, ValueError):
                 ready = []
+            # Before the inbox is read: a post from here on is either taken by this round
+            # or writes a new wake-up byte.
+            self._wake_pending = False
             for fd in ready:
                 try:
                     os.read(fd, 4096 if fd == self._wake_r else 8)
