@@ -34,6 +34,7 @@ from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.object_format import HEADER_SIZE
 from himamba.tiers.transfer import LayerBlocks, plan_copies
 from himamba.tiers.transfer_engine import make_copy_engine
+from tests.harness.cuda_batch_op import batched_copy_op
 
 PAGE = 65536
 MAMBA_STATE_BYTES = 36032
@@ -84,6 +85,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--ids", default="random", choices=["random", "consecutive"])
+    ap.add_argument(
+        "--op",
+        default="auto",
+        choices=["auto", "direct", "torch"],
+        help="GPU: batched DMA, scattered rows staged into whole slots (auto) or the plan's "
+        "own pointer lists (direct); or torch slice copies (the fallback)",
+    )
     a = ap.parse_args()
     batches = [int(x) for x in (a.batches or ("8,64" if a.quick else "8,16,32,64")).split(",")]
     iters = a.iters or (5 if a.quick else 15)
@@ -100,6 +108,13 @@ def main() -> None:
     setup_s = time.perf_counter() - t0
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     engine = make_copy_engine(a.device == "cuda")
+    op_name = "host copy engine"
+    if a.device == "cuda":  # the pointer-list path even on a GPU machine without vLLM
+        op, op_name = batched_copy_op() if a.op != "torch" else (None, "torch")
+        engine._op = op
+        if a.op != "auto":
+            engine.staging = None
+        op_name += ", staged" if engine.staging is not None else ""
     gen = torch.Generator().manual_seed(1)
 
     # 2 GiB, faulted in: the cold memcpy reference copies within it (see cold_memcpy).
@@ -119,7 +134,8 @@ def main() -> None:
 
         nbytes = n * pool.slot_bytes
         src = torch.empty(nbytes, dtype=torch.uint8, device=a.device).fill_(3)
-        dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+        # Pinned on a GPU, as our pool is: the reference is the fastest plain DMA.
+        dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=a.device == "cuda").fill_(0)
 
         def plain(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
             dst.copy_(src)
@@ -197,6 +213,7 @@ def main() -> None:
                 "device": a.device,
                 "ids": a.ids,
                 "engine": type(engine).__name__,
+                "copy_op": op_name if getattr(engine, "_op", 1) is not None else "torch",
                 "threads": torch.get_num_threads(),
                 "nproc": os.cpu_count(),
                 "num_blocks": a.num_blocks,

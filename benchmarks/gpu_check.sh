@@ -28,11 +28,18 @@ for pkg in connector mamba_state tiers; do ln -s "$PWD/$pkg" "$SHIM/himamba/$pkg
 export PYTHONPATH="$SHIM:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 $PY -c "import pytest" 2>/dev/null || $PY -m pip install -q pytest >/dev/null 2>&1
 rc=0
-timeout 240 $PY -m pytest -q -p no:cacheprovider --noconftest -rs tests/unit/tiers/test_transfer_cuda.py tests/unit/tiers/test_transfer_engine.py tests/unit/tiers/test_transfer.py \
+timeout 200 $PY -m pytest -q -p no:cacheprovider --noconftest -rs tests/unit/tiers/test_transfer_cuda.py tests/unit/tiers/test_cuda_staging.py tests/unit/tiers/test_transfer_engine.py tests/unit/tiers/test_transfer.py \
     2>&1 | tee "$OUTDIR/gpu_tests.txt" || rc=1
+# The batched DMA (vLLM's op, else the driver's through ctypes) as the connector runs it
+# (scattered rows staged into whole slots), then the plan's direct pointer lists and the torch
+# slice-copy fallback on random ids, for comparison.
 for ids in random consecutive; do
-    timeout 150 $PY -m benchmarks.bench_transfer --device cuda --quick --ids "$ids" \
+    timeout 100 $PY -m benchmarks.bench_transfer --device cuda --quick --ids "$ids" \
         2>&1 | tee "$OUTDIR/bench_transfer_$ids.jsonl" || rc=1
+done
+for op in direct torch; do
+    timeout 100 $PY -m benchmarks.bench_transfer --device cuda --quick --ids random --op "$op" \
+        2>&1 | tee "$OUTDIR/bench_transfer_random_$op.jsonl" || rc=1
 done
 echo "gpu_check: exit $rc" | tee -a "$OUTDIR/env.txt"
 exit $rc

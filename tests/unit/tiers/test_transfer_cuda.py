@@ -5,11 +5,14 @@ are skipped where CUDA is absent (CI) and run by ``benchmarks/gpu_check.sh`` on 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.transfer import LayerBlocks, plan_copies
+from tests.harness.cuda_batch_op import batched_copy_op
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,10 +22,29 @@ pytestmark = [
 NUM_BLOCKS = 64
 
 
-def _engine(batched: bool):  # noqa: ANN202 - imported lazily: the module needs CUDA
+def _engine(mode: str):  # noqa: ANN202 - imported lazily: the module needs CUDA
+    """``staged``: scattered rows gathered on the device, one DMA range per slot; ``direct``:
+    the plan's own pointer lists; both through vLLM's batched op, else the driver's batched
+    copy through ctypes (a GPU machine without vLLM still checks them). ``torch``: slice
+    copies, the fallback."""
     from himamba.tiers.transfer_cuda import CudaCopyEngine
 
-    return CudaCopyEngine(batched=batched)
+    engine = CudaCopyEngine(batched=mode != "torch", staged=mode == "staged")
+    engine.batched_calls = []  # type: ignore[attr-defined]
+    if mode != "torch":
+        op, _ = batched_copy_op()
+        if op is None:
+            pytest.skip("no batched copy op: neither vLLM nor libcuda's cuMemcpyBatchAsync")
+
+        def counted(src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor) -> None:
+            engine.batched_calls.append(src.numel())
+            op(src, dst, sizes)
+
+        engine._op = counted
+    return engine
+
+
+MODES = ["staged", "direct", "torch"]
 
 
 def _layers() -> tuple[list[LayerBlocks], dict[str, torch.Tensor]]:
@@ -38,13 +60,15 @@ def _layers() -> tuple[list[LayerBlocks], dict[str, torch.Tensor]]:
     return [LayerBlocks.wrap(n, t, NUM_BLOCKS) for n, t in caches.items()], caches
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_round_trip_through_the_pinned_pool_is_byte_exact(batched: bool) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_round_trip_through_the_pinned_pool_is_byte_exact(mode: str) -> None:
     layers, caches = _layers()
     pool = HostSlotPool([lb.block_bytes for lb in layers], 32, pin=True)
     before = {n: t.clone() for n, t in caches.items()}
+    pages = caches["mamba"].as_strided((NUM_BLOCKS, 4096), (4096, 1))  # the padded pages
+    pad_before = pages[:, 3000:].clone()
     src, slots, dst = [5, 6, 7, 8, 40, 2], [0, 1, 2, 3, 9, 31], [50, 51, 52, 53, 11, 60]
-    engine = _engine(batched)
+    engine = _engine(mode)
     store = engine.submit([plan_copies(layers, [src] * 3, pool, slots, True)])
     load = engine.submit([plan_copies(layers, [dst] * 3, pool, slots, False)])
     engine.wait([store, load])
@@ -53,19 +77,53 @@ def test_round_trip_through_the_pinned_pool_is_byte_exact(batched: bool) -> None
         dim = 1 if name == "split" else 0
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(t.select(dim, d), before[name].select(dim, s)), name
+        for b in set(range(NUM_BLOCKS)) - set(dst):  # nothing written outside the targets
+            assert torch.equal(t.select(dim, b), before[name].select(dim, b)), (name, b)
+    assert torch.equal(pages[:, 3000:], pad_before)  # page padding past the state untouched
+    # One driver call per plan: staged, one range per slot; direct, one per (block, segment).
+    expect = {"staged": [6, 6], "direct": [24, 24], "torch": []}[mode]
+    assert engine.batched_calls == expect
     engine.close()
 
 
-def test_a_store_reads_what_the_compute_stream_wrote_and_later_writes_wait_for_it() -> None:
+def _sleep_seconds(cycles: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def _warm_up(engine: object, layers: list[LayerBlocks], pool: HostSlotPool, store: bool) -> None:
+    """One job of the same kind, waited for. CUDA loads a kernel's module on its first use
+    (lazy loading), and the load waits for the device: a first use inside a test would wait
+    for the busy compute stream and hide the ordering the test checks."""
+    job = engine.submit([plan_copies(layers, [[20]] * 3, pool, [5], store)])
+    engine.wait([job])
+    engine.collect([job])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_store_reads_what_the_compute_stream_wrote_and_later_writes_wait_for_it(
+    mode: str,
+) -> None:
     layers, caches = _layers()
     pool = HostSlotPool([lb.block_bytes for lb in layers], 8, pin=True)
     dense = caches["dense"]
-    engine = _engine(True)
+    engine = _engine(mode)
+    _warm_up(engine, layers, pool, True)
+    dense[3].fill_(0.0)
+    slept = _sleep_seconds(200_000_000)
     torch.cuda._sleep(200_000_000)  # the compute stream is busy for a while ...
     dense[3].fill_(7.0)  # ... then writes the block the store reads
+    t0 = time.perf_counter()
     job = engine.submit([plan_copies(layers, [[3]] * 3, pool, [0], True)])
+    submit_s = time.perf_counter() - t0
     dense[3].fill_(-1.0)  # the next step rewrites the source: must run after the copy
-    assert not engine.done(job)  # the copy waits behind the busy compute stream
+    busy = not torch.cuda.current_stream().query()
+    # The copy waits behind the busy compute stream, and submitting it did not block the CPU.
+    assert not engine.done(job), (mode, f"sleep {slept:.3f}s submit {submit_s:.4f}s busy {busy}")
     engine.wait([job])
     torch.cuda.synchronize()
     host = pool.rows[1][0].view(torch.float32)
@@ -74,16 +132,19 @@ def test_a_store_reads_what_the_compute_stream_wrote_and_later_writes_wait_for_i
     engine.close()
 
 
-def test_a_load_waits_for_the_zeroing_queued_before_it_and_completes_by_event() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_load_waits_for_the_zeroing_queued_before_it_and_completes_by_event(mode: str) -> None:
     layers, caches = _layers()
     pool = HostSlotPool([lb.block_bytes for lb in layers], 8, pin=True)
     pool.rows[1][2].view(torch.float32).fill_(5.0)
     dense = caches["dense"]
-    engine = _engine(True)
+    engine = _engine(mode)
+    _warm_up(engine, layers, pool, False)
+    dense[9].zero_()
     torch.cuda._sleep(200_000_000)
     dense[9].zero_()  # vLLM zeroes a new block on the compute stream before the load
     job = engine.submit([plan_copies(layers, [[9]] * 3, pool, [2], False)])
-    assert engine.collect([job]) == [] or not engine.done(job)
+    assert not engine.done(job) and engine.collect([job]) == []  # queued behind the zeroing
     engine.wait([job])
     assert engine.done(job) and engine.collect([job])[0].ok
     assert torch.all(dense[9] == 5.0)  # the load landed after the zeroing, not before
