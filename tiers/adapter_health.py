@@ -37,6 +37,7 @@ from .valkey_lookup import batch_lookups
 log = logging.getLogger(__name__)
 _L2 = "lmcache.v1.distributed.l2_adapters"
 PROBE_PAYLOAD = b"himamba\x01"
+_MAX_DEFERRED_CHECKS = 4096  # keys; beyond, a damaged object is found at its next read
 
 
 def create_lmcache_adapter(spec: dict[str, Any]) -> Any:
@@ -110,6 +111,9 @@ class AdapterHealth:
         self._probing = False
         self._last_probe = time.monotonic()
         self._deferred_deletes: list[StorageKey] = []
+        # Keys a failed RESP load left unexplained (damaged object, or just gone?): looked up
+        # on the fresh adapter, each with its callback.
+        self._deferred_checks: list[tuple[list[StorageKey], Callable[..., None]]] = []
         # LMCache's RESP client leaves a size-mismatched reply unread: later replies on that
         # connection belong to earlier requests, so only a fresh adapter is trustworthy.
         self._desync_prone = cfg.adapter.get("type") == "resp"
@@ -166,13 +170,31 @@ class AdapterHealth:
         self.outcome(False, f"slow: {reason}")
 
     def defer_deletes(self, keys: list[StorageKey]) -> bool:
-        """Bad objects are about to be deleted. On a connection a bad object can desynchronise,
-        trip now and hold the deletes for the fresh adapter; True if held."""
-        if not self._desync_prone:
+        """Bad objects are about to be deleted. While a RESP adapter is being replaced (a load
+        failed on it: `op_failed`), hold the deletes for the fresh one; True if held."""
+        if not self._desync_prone or self.breaker.allow():
             return False
         self._deferred_deletes.extend(keys)
-        if self.breaker.allow():
-            self._trip("bad object on a RESP connection")
+        return True
+
+    def op_failed(self, op: str) -> None:
+        """A load or store failed on the adapter. On LMCache's RESP client that means one of
+        its connections threw mid-reply: a size or trailer mismatch leaves the rest of the
+        reply unread (every later reply on that connection is off by it), a refused SET
+        (``-OOM ...``) leaves its error line, a dead socket stays dead; none reconnects.
+        (A missing key does not fail a RESP GET: the worker waits for bytes that never come,
+        which is a deadline.) So one failure replaces it now, before the caller hears of the
+        miss; a streak would leave requests meeting the broken connection meanwhile."""
+        if self._desync_prone and self.breaker.allow():
+            self._trip(f"a {op} failed on a RESP connection")
+
+    def defer_check(self, keys: list[StorageKey], on_done: Callable[..., None]) -> bool:
+        """Keys a failed load left unexplained, to look up once a fresh adapter is proven
+        (the current one is being replaced); True if held."""
+        if not self._desync_prone or self.breaker.allow():
+            return False
+        if sum(len(k) for k, _ in self._deferred_checks) < _MAX_DEFERRED_CHECKS:
+            self._deferred_checks.append((keys, on_done))
         return True
 
     def quarantined_buffers(self) -> int:
@@ -231,6 +253,11 @@ class AdapterHealth:
                 "storage probe after recreate: %s",
                 "recovered" if ok else f"still down, next in {self.breaker.cooldown_s:.1f} s",
             )
+            if ok and self._deferred_checks:
+                checks, self._deferred_checks = self._deferred_checks, []
+                assert self._runner is not None
+                for keys, on_done in checks:
+                    self._runner.submit_internal(OpKind.EXISTS, keys, None, on_done)
             if ok and self._deferred_deletes:
                 keys, self._deferred_deletes = self._deferred_deletes, []
                 assert self._runner is not None

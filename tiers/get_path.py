@@ -138,6 +138,8 @@ class GetPath:
                 bits = [j in hits for j in range(len(b.idx))]
                 if any(bits):  # all-miss is not a failure: the keys may simply be gone
                     self._health.outcome(True, "", now - (b.handed_at or now))
+                if kind is BatchKind.LOAD and not all(bits):
+                    self._health.op_failed("load")  # before the miss is reported
                 if kind is BatchKind.LOOKUP:
                     # Native adapters refcount the "locks" of the keys a lookup found,
                     # client-side; the others hold none to release.
@@ -200,8 +202,11 @@ class GetPath:
         if bad:
             self.delete_bad([task.keys[i] for i, _ in bad])
         unread = [task.keys[i] for j, i in enumerate(b.idx) if not bits[j]]
-        if unread and self._health.allow() and task.on_done is None:
-            self.start_internal(OpKind.EXISTS, unread, None, self._verified)
+        if unread and task.on_done is None:
+            if self._health.allow():
+                self.start_internal(OpKind.EXISTS, unread, None, self._verified)
+            else:
+                self._health.defer_check(unread, self._verified)
         st.get_hits += sum(oks)
         st.get_misses += len(oks) - sum(oks)
         self._book.batch_done(b, oks)

@@ -211,6 +211,8 @@ class PutPath:
             ok, n, nbytes = res.is_successful(), len(b.idx), sum(s.nbytes for s in b.staging)
             self._calls.free([b])
             self._health.outcome(ok, "store failed", now - (b.handed_at or now))
+            if not ok:
+                self._health.op_failed("store")
             self.stats.put_objects += n if ok else 0
             self.stats.put_failed += 0 if ok else n
             self.stats.bytes_written += nbytes if ok else 0

@@ -187,3 +187,32 @@ def test_slow_wait_verdict_counts_at_once_while_the_driver_is_stuck_in_a_slow_ca
         assert run(s, first).ok == (False,)  # the stuck call still ends, as a miss
     finally:
         s.close()
+
+
+def test_a_refused_redis_write_replaces_the_connection_it_desynchronised(
+    redis_server: RedisServer,
+):
+    """Redis at `maxmemory` with `noeviction` refuses a SET with an error line; LMCache's RESP
+    client reads five bytes of it and leaves the rest on that connection, where it would be
+    read as the reply to that worker's next command (a miss or a failed store, for good). One
+    refused write replaces the adapter, so once memory is free every read hits again."""
+    s = make_store(redis_server.url, breaker_cooldown_s=0.2, probe_interval_s=3600)
+    try:
+        keys = [StorageKey(h(i), KV) for i in range(16)]
+        data = [payload(i, 65536) for i in range(16)]
+        assert run(s, s.submit_put(keys, data)).ok == (True,) * 16
+        redis = redis_server.client()
+        used = int(redis.info("memory")["used_memory"])
+        redis.config_set("maxmemory-policy", "noeviction")
+        redis.config_set("maxmemory", str(used + 32768))  # no room for one more object
+        big = StorageKey(h(99), KV)
+        assert run(s, s.submit_put([big], [payload(99, 65536)])).ok == (False,)
+        assert s.stats.breaker_opens == 1  # the first refusal, not a streak of them
+        redis.config_set("maxmemory", "0")
+        assert eventually(lambda: s.breaker_state is BreakerState.CLOSED)
+        assert s.stats.adapter_recreations == 1
+        for k, d in zip(keys, data, strict=True):  # one by one: each may go to any worker
+            dst = torch.zeros_like(d)
+            assert run(s, s.submit_get([k], [dst])).ok == (True,) and torch.equal(dst, d)
+    finally:
+        s.close()

@@ -275,10 +275,18 @@ def test_longer_object_never_serves_other_bytes_or_writes_past_the_buffer(backen
         assert torch.equal(dst, d) if ok else not dst.any()
         if isinstance(obj, (S3Server, RedisServer)):
             assert not ok  # both check the length they receive
-        # The store goes on serving exact bytes (a desynced connection is replaced first).
+        if isinstance(obj, RedisServer):
+            # The RESP connection that read the size header holds the rest of the object
+            # unread: the adapter was condemned before the miss was reported, so no request
+            # meets that connection; the object is looked up and deleted through the new one.
+            assert s.breaker_state is not BreakerState.CLOSED and s.stats.breaker_opens == 1
+            assert eventually(lambda: s.stats.adapter_recreations == 1)
+            assert eventually(lambda: s.stats.unreadable == 1 and s.stats.deleted_bad == 1)
+            assert eventually(lambda: not exists_in_backend(obj, s, k))
+        # The store goes on serving exact bytes.
         assert eventually(lambda: s.breaker_state is BreakerState.CLOSED)
         k2, d2 = StorageKey(h(6), KV), payload(6, 32768)
-        assert eventually(lambda: run(s, s.submit_put([k2], [d2])).ok == (True,))
+        assert run(s, s.submit_put([k2], [d2])).ok == (True,)
         back = torch.zeros_like(d2)
         assert run(s, s.submit_get([k2], [back])).ok == (True,) and torch.equal(back, d2)
     finally:
