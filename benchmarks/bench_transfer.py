@@ -114,7 +114,10 @@ def main() -> None:
         engine._op = op
         if a.op != "auto":
             engine.staging = None
-        op_name += ", staged" if engine.staging is not None else ""
+        if op is None:
+            op_name = "torch"  # the engine's slice-copy fallback
+        elif engine.staging is not None:
+            op_name += ", staged"
     gen = torch.Generator().manual_seed(1)
 
     # 2 GiB, faulted in: the cold memcpy reference copies within it (see cold_memcpy).
@@ -213,7 +216,7 @@ def main() -> None:
                 "device": a.device,
                 "ids": a.ids,
                 "engine": type(engine).__name__,
-                "copy_op": op_name if getattr(engine, "_op", 1) is not None else "torch",
+                "copy_op": op_name,
                 "threads": torch.get_num_threads(),
                 "nproc": os.cpu_count(),
                 "num_blocks": a.num_blocks,

@@ -172,7 +172,7 @@ class AdapterHealth:
     def defer_deletes(self, keys: list[StorageKey]) -> bool:
         """Bad objects are about to be deleted. While a RESP adapter is being replaced (a load
         failed on it: `op_failed`), hold the deletes for the fresh one; True if held."""
-        if not self._desync_prone or self.breaker.allow():
+        if not self._resp_being_replaced():
             return False
         self._deferred_deletes.extend(keys)
         return True
@@ -188,10 +188,14 @@ class AdapterHealth:
         if self._desync_prone and self.breaker.allow():
             self._trip(f"a {op} failed on a RESP connection")
 
+    def _resp_being_replaced(self) -> bool:
+        """A RESP adapter that may not be used now: ops wait for the fresh one's probe."""
+        return self._desync_prone and not self.breaker.allow()
+
     def defer_check(self, keys: list[StorageKey], on_done: Callable[..., None]) -> bool:
         """Keys a failed load left unexplained, to look up once a fresh adapter is proven
         (the current one is being replaced); True if held."""
-        if not self._desync_prone or self.breaker.allow():
+        if not self._resp_being_replaced():
             return False
         if sum(len(k) for k, _ in self._deferred_checks) < _MAX_DEFERRED_CHECKS:
             self._deferred_checks.append((keys, on_done))
@@ -253,17 +257,21 @@ class AdapterHealth:
                 "storage probe after recreate: %s",
                 "recovered" if ok else f"still down, next in {self.breaker.cooldown_s:.1f} s",
             )
-            if ok and self._deferred_checks:
-                checks, self._deferred_checks = self._deferred_checks, []
-                assert self._runner is not None
-                for keys, on_done in checks:
-                    self._runner.submit_internal(OpKind.EXISTS, keys, None, on_done)
-            if ok and self._deferred_deletes:
-                keys, self._deferred_deletes = self._deferred_deletes, []
-                assert self._runner is not None
-                self._runner.submit_internal(OpKind.DELETE, keys, None, lambda t, e: None)
+            if ok:
+                self._run_deferred()
         elif not ok and self.breaker.allow():
             self._trip("health probe failed")
+
+    def _run_deferred(self) -> None:
+        """The fresh adapter passed its probe: the lookups and deletes held for it."""
+        runner = self._runner
+        assert runner is not None
+        checks, self._deferred_checks = self._deferred_checks, []
+        for keys, on_done in checks:
+            runner.submit_internal(OpKind.EXISTS, keys, None, on_done)
+        if self._deferred_deletes:
+            keys, self._deferred_deletes = self._deferred_deletes, []
+            runner.submit_internal(OpKind.DELETE, keys, None, lambda t, e: None)
 
     def _install(self, adapter: Any) -> None:
         self.adapter, self._gen = adapter, self._gen + 1

@@ -69,14 +69,12 @@ def _driver_batch_op() -> Callable[..., None] | None:
 
 
 def batched_copy_op() -> tuple[Callable[..., None] | None, str]:
-    """(op, name): vLLM's own op where vLLM imports, else the driver's through ctypes."""
-    try:
-        from vllm import _custom_ops as ops  # noqa: PLC0415
+    """(op, name): vLLM's own op where vLLM has it (what the engine picks by itself), else
+    the driver's through ctypes."""
+    from himamba.tiers.transfer_cuda import _batched_copy_op  # noqa: PLC0415
 
-        op = getattr(ops, "swap_blocks_batch", None)
-        if op is not None:
-            return op, "vllm"
-    except Exception:  # noqa: BLE001, S110 - no vLLM here: try the driver
-        pass
+    op = _batched_copy_op()
+    if op is not None:
+        return op, "vllm"
     op = _driver_batch_op()
     return (op, "cuMemcpyBatchAsync via ctypes") if op is not None else (None, "none")

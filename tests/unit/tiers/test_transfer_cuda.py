@@ -113,7 +113,7 @@ def test_a_store_reads_what_the_compute_stream_wrote_and_later_writes_wait_for_i
     dense = caches["dense"]
     engine = _engine(mode)
     _warm_up(engine, layers, pool, True)
-    dense[3].fill_(0.0)
+    dense[3].fill_(0.0)  # and the fill kernel below
     slept = _sleep_seconds(200_000_000)
     torch.cuda._sleep(200_000_000)  # the compute stream is busy for a while ...
     dense[3].fill_(7.0)  # ... then writes the block the store reads
@@ -122,7 +122,8 @@ def test_a_store_reads_what_the_compute_stream_wrote_and_later_writes_wait_for_i
     submit_s = time.perf_counter() - t0
     dense[3].fill_(-1.0)  # the next step rewrites the source: must run after the copy
     busy = not torch.cuda.current_stream().query()
-    # The copy waits behind the busy compute stream, and submitting it did not block the CPU.
+    # The copy waits behind the busy compute stream (the message tells a sleep too short, a
+    # submit that blocked, or a compute stream already drained apart).
     assert not engine.done(job), (mode, f"sleep {slept:.3f}s submit {submit_s:.4f}s busy {busy}")
     engine.wait([job])
     torch.cuda.synchronize()
@@ -140,7 +141,7 @@ def test_a_load_waits_for_the_zeroing_queued_before_it_and_completes_by_event(mo
     dense = caches["dense"]
     engine = _engine(mode)
     _warm_up(engine, layers, pool, False)
-    dense[9].zero_()
+    dense[9].zero_()  # and the zeroing kernel below
     torch.cuda._sleep(200_000_000)
     dense[9].zero_()  # vLLM zeroes a new block on the compute stream before the load
     job = engine.submit([plan_copies(layers, [[9]] * 3, pool, [2], False)])
