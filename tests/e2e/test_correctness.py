@@ -124,8 +124,11 @@ def test_slow_but_alive_storage_opens_the_breaker_and_requests_stop_waiting(
     # Two requests waited out their deadline; after that the breaker was open.
     assert stats["storage_probing_timeouts"] == 2
     assert "open" in out["breaker"].lower()
-    waited, later = out["outs"][0]["s"], out["outs"][3]["s"]
-    assert waited >= 0.3 and later < waited
+    # Held back by the scheduler: the first request for its probe's deadline, the last not at
+    # all (measured in its lookups, not in wall time, which a busy box stretches).
+    waits = [(o["wait_s"], o["asked_again"]) for o in out["outs"]]
+    assert waits[0][0] >= 0.3 and waits[0][1] > 0, waits
+    assert waits[2][1] == waits[3][1] == 0, waits
     assert out["leaks"]["storage_requests"] == 0
 
 

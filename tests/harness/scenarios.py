@@ -133,6 +133,22 @@ def storage_reader(args: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _until_storage_closed(llm: Any, timeout_s: float) -> float:
+    """Wait until both roles' stores are healthy again (breaker cool-down, then a health probe
+    through a fresh adapter: seconds on an idle box, longer on a busy one); the time it took."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    sched, _ = connectors(llm)
+    stores = (sched.scheduler.storage.store, get_kv_transfer_group().worker.storage.store)
+    start = time.monotonic()
+    while any(s.breaker_state.value != "closed" for s in stores):
+        if time.monotonic() - start > timeout_s:
+            states = [s.breaker_state.value for s in stores]
+            raise TimeoutError(f"storage still unhealthy after {timeout_s} s: {states}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
 def storage_outage(args: dict[str, Any]) -> dict[str, Any]:
     """Redis is killed mid-run and restarted (empty); requests must stay correct throughout."""
     from tests.harness.redis_server import RedisServer
@@ -149,7 +165,7 @@ def storage_outage(args: dict[str, Any]) -> dict[str, Any]:
     drop_host_tier(llm)
     out["down"] = [generate(llm, [p])[0] for p in (a, b)]
     redis.start()
-    time.sleep(args.get("recover_s", 6.0))  # breaker cool-down + health probe
+    out["recovered_s"] = _until_storage_closed(llm, args.get("recover_s", 60.0))
     out["after_restart_cold"] = generate(llm, [c])[0]
     flush_worker()
     drop_host_tier(llm)
@@ -213,6 +229,26 @@ def best_effort(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _lookup_waits(sched: Any) -> dict[str, list[float]]:
+    """Per request, [first lookup, first lookup that answered, lookups answered "ask again"]:
+    how long the scheduler held it back for storage, measured in the lookups themselves, so a
+    slow box does not make a request that never waited look as if it did (wall time would)."""
+    waits: dict[str, list[float]] = {}
+    real = sched.get_num_new_matched_tokens
+
+    def lookup(request: Any, *a: Any, **kw: Any) -> Any:
+        span = waits.setdefault(request.request_id, [time.monotonic(), 0.0, 0])
+        answer = real(request, *a, **kw)
+        if answer[0] is None:
+            span[2] += 1  # "ask again next step"
+        elif not span[1]:
+            span[1] = time.monotonic()
+        return answer
+
+    sched.get_num_new_matched_tokens = lookup
+    return waits
+
+
 def slow_storage(args: dict[str, Any]) -> dict[str, Any]:
     """Storage that answers, but slowly: waits time out, the breaker opens, requests stop
     waiting. The delay is injected around the real fs adapter (no real disk is this slow)."""
@@ -234,8 +270,11 @@ def slow_storage(args: dict[str, Any]) -> dict[str, Any]:
 
     lmcache_store.create_lmcache_adapter = slow_adapter
     llm = make_llm(args, args["extra"])
-    outs = [generate(llm, [p])[0] for p in args["prompts"]]
     sched, _ = connectors(llm)
+    waits = _lookup_waits(sched)
+    outs = [generate(llm, [p])[0] for p in args["prompts"]]
+    for o, w in zip(outs, waits.values(), strict=True):
+        o["wait_s"], o["asked_again"] = w[1] - w[0], w[2]
     out = {"outs": outs, "stats": sched.stats(), "leaks": leak_report(llm)}
     out["breaker"] = str(sched.scheduler.storage.store.breaker_state)
     close_llm(llm)
