@@ -136,12 +136,12 @@ def storage_reader(args: dict[str, Any]) -> dict[str, Any]:
 def _until_storage_closed(llm: Any, timeout_s: float) -> float:
     """Wait until both roles' stores are healthy again (breaker cool-down, then a health probe
     through a fresh adapter: seconds on an idle box, longer on a busy one); the time it took."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+    from himamba.tiers.circuit_breaker import BreakerState
 
-    sched, _ = connectors(llm)
-    stores = (sched.scheduler.storage.store, get_kv_transfer_group().worker.storage.store)
+    sched, worker = connectors(llm)
+    stores = (sched.scheduler.storage.store, worker.worker.storage.store)
     start = time.monotonic()
-    while any(s.breaker_state.value != "closed" for s in stores):
+    while any(s.breaker_state is not BreakerState.CLOSED for s in stores):
         if time.monotonic() - start > timeout_s:
             states = [s.breaker_state.value for s in stores]
             raise TimeoutError(f"storage still unhealthy after {timeout_s} s: {states}")
