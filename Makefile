@@ -34,6 +34,7 @@ demo: setup
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup
+	bash .ci/test-services
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # The multi-turn workload benchmark (OpenAI server, N conversations x R turns, TTFT per turn per

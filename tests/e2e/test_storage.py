@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.harness.offline_engine import prompt
+from tests.harness.redis_server import require_redis_server
 from tests.harness.subprocess_run import run_scenario
 
 pytest_plugins = ("tests.harness.redis_server", "tests.harness.s3_server")  # + s3_server
@@ -103,6 +104,7 @@ def test_two_engines_sharing_redis_reuse_each_others_prefixes(
 def test_redis_outage_keeps_every_request_correct_and_hits_return_after_restart(
     granite_model, prompts, reference, block, tmp_path
 ):
+    require_redis_server()  # the scenario starts, kills and restarts its own
     args = {
         "model": str(granite_model),
         "prompts": prompts,

@@ -202,7 +202,7 @@ def cluster_available() -> bool:
 
 SKIP_REASON = (
     "needs redis-server/redis-cli (apt-get install -y redis-server) and valkey-glide-sync "
-    "(pip install 'himamba[cluster]'); .ci/run installs both"
+    "(pip install 'himamba[cluster]'); make test installs both"
 )
 
 

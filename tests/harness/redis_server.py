@@ -82,10 +82,15 @@ class RedisServer:
         return redis.Redis(host=self.host, port=self.port)
 
 
+def require_redis_server() -> None:
+    """Skip (with how to install it) where there is no redis-server; `make test` installs it."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed (apt-get install -y redis-server; make test does)")
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed (apt-get install -y redis-server; .ci/run does)")
+    require_redis_server()
     srv = RedisServer(tmp_path)
     srv.start()
     try:

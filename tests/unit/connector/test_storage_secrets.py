@@ -16,6 +16,7 @@ import pytest
 
 from himamba.connector.protocol import ControlAction
 from himamba.tiers.storage_config import StorageConfig, redacted_url
+from tests.harness.redis_server import require_redis_server
 from tests.lifecycle.workload import prompt_of
 from tests.unit.connector.control_engine import (
     control,
@@ -38,6 +39,7 @@ def model_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """A private redis-server on 127.0.0.1 that requires ``PASSWORD``."""
+    require_redis_server()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
