@@ -170,9 +170,11 @@ def test_one_dead_node_keeps_every_request_exact_and_its_keys_return_after_resta
     # ...and what sits on the live nodes keeps hitting.
     assert out["down_hits"] > 0, out["down_stats"]
     assert out["down_hits"] < len(reference), out["down_stats"]
-    # The node is back (empty): requests are exact, and the rewritten prefixes hit again.
-    assert [o["tokens"] for o in out["back_cold"]] == reference
-    assert [o["tokens"] for o in out["back"]] == reference
+    # The node is back (empty): requests are exact in every round, and once the client has
+    # reconnected the rewritten prefixes hit again.
+    for r in out["back_rounds"]:
+        assert [o["tokens"] for o in r["cold"]] == reference
+        assert [o["tokens"] for o in r["back"]] == reference
     assert [o["cached"] for o in out["back"]] == [full] * len(reference)
     assert out["leaks"]["locked_entries"] == 0
 
@@ -279,12 +281,22 @@ def node_outage(args: dict[str, Any]) -> dict[str, Any]:
         out["down_stats"] = {**sched.stats(), "hit_tokens_before": before}
         out["down_worker"] = flush_worker()
         cluster.restart(1)
-        time.sleep(args.get("recover_s", 3.0))  # the cluster client reconnects to the node
-        drop_host_tier(llm)
-        out["back_cold"] = serve()  # misses on node 1 are recomputed and written again
-        flush_worker()
-        drop_host_tier(llm)
-        out["back"] = serve()
+        # The cluster client reconnects to the node on its own schedule (1-3 s here, longer on
+        # a loaded box): until it has, writes to node 1 fail and its prefixes miss again. Each
+        # round recomputes what missed, writes it again, and serves everything from storage;
+        # every round's tokens must be exact, and within the deadline every prompt must hit.
+        out["back_rounds"] = []
+        deadline = time.monotonic() + args.get("recover_s", 60.0)
+        while True:
+            drop_host_tier(llm)
+            cold = serve()  # misses on node 1 are recomputed and written again
+            flush_worker()
+            drop_host_tier(llm)
+            out["back"] = serve()
+            out["back_rounds"].append({"cold": cold, "back": out["back"]})
+            if all(o["cached"] > 0 for o in out["back"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         out["stats"] = sched.stats()
         out["worker"] = flush_worker()
         out["leaks"] = leak_report(llm)
