@@ -24,7 +24,11 @@ class Forest:
         self.roots: dict[Hashable, Node] = {}
         self.num_nodes = 0
         # In-flight stores: host KV slot -> (node, block index in node); Mamba slot -> node.
-        self.pending_kv: dict[int, tuple[Node, int]] = {}
+        # KV runs reserved since the map was last read wait in ``_runs`` as (node, first
+        # index, slots): a step plan commits most of them before anything reads the map, so
+        # they never pay for one map entry per block (``pending_kv``, ``take_runs``).
+        self._pending_kv: dict[int, tuple[Node, int]] = {}
+        self._runs: list[tuple[Node, int, list[int]]] = []
         self.pending_mamba: dict[int, Node] = {}
         # Held nodes that a reset() condemned: never matched, dropped when released.
         self.doomed: set[Node] = set()
@@ -32,12 +36,56 @@ class Forest:
         # public call returns (``Maintenance.flush``).
         self.dirty: list[Node] = []
 
-    def pend_span(self, node: Node, first: int, slots: Sequence[int]) -> None:
-        """Stores in flight into ``slots``, one per block of ``node`` from ``first`` on."""
-        n = len(slots)
-        self.pending_kv.update(
-            zip(slots, zip(repeat(node, n), range(first, first + n), strict=True), strict=True)
-        )
+    @property
+    def pending_kv(self) -> dict[int, tuple[Node, int]]:
+        """Every KV store in flight: slot -> (node, block index). Reading it enters the
+        waiting runs first, so every reader sees them all."""
+        if self._runs:
+            self._enter_runs()
+        return self._pending_kv
+
+    def pend_span(self, node: Node, first: int, slots: list[int]) -> None:
+        """Stores in flight into ``slots``, one per block of ``node`` from ``first`` on.
+        Only recorded: a pending node is held (never cut short, dropped or merged), so
+        ``(node, first)`` stays exact until a ``split`` of ``node``, which enters it first."""
+        self._runs.append((node, first, slots))
+
+    def pend_one(self, slot: int, node: Node, index: int) -> None:
+        """A store in flight into ``slot`` for block ``index`` of ``node`` (waiting runs
+        stay waiting: their slots are others)."""
+        self._pending_kv[slot] = (node, index)
+
+    def take_runs(self, slots: list[int]) -> tuple[list[tuple[Node, int, list[int]]], int, int]:
+        """The waiting runs, removed, and where their slots lie in ``slots`` (``lo, hi``), if
+        ``slots`` holds all of them in the order reserved, at its end or its start (a plan
+        committing its own runs, after the single slots planned before them); else
+        ``([], 0, 0)`` and nothing changes."""
+        runs = self._runs
+        if not runs:
+            return [], 0, 0
+        total = sum(len(r[2]) for r in runs)
+        for lo in (len(slots) - total, 0):
+            if lo < 0:
+                break
+            n = lo
+            for _, _, run_slots in runs:
+                k = len(run_slots)
+                if slots[n : n + k] != run_slots:
+                    break
+                n += k
+            else:
+                self._runs = []
+                return runs, lo, n
+        return [], 0, 0
+
+    def _enter_runs(self) -> None:
+        entries = self._pending_kv
+        for node, first, slots in self._runs:
+            n = len(slots)
+            entries.update(
+                zip(slots, zip(repeat(node, n), range(first, first + n), strict=True), strict=True)
+            )
+        self._runs = []
 
     def locate(
         self, hashes: Sequence[bytes], partition: Hashable, end: int
@@ -154,6 +202,8 @@ class Forest:
 
     def split(self, node: Node, cuts: Sequence[int]) -> list[Node]:
         """Cut ``node`` before each offset in ``cuts``; return the new heads top-down."""
+        if self._runs:
+            self._enter_runs()  # their (node, index) must be rewritten below, not after
         heads = node.split_at(cuts)
         self.num_nodes += len(heads)
         if self.doomed and node in self.doomed:  # every piece holds pre-reset content

@@ -72,7 +72,7 @@ class Reservations:
             fill_absent(node, i, GPU)
         node.set_flag(i, node.flags[i] | PENDING | (GPU if from_device else 0))
         node.set_slot(i, slot)
-        self.forest.pending_kv[slot] = (node, i)
+        self.forest.pend_one(slot, node, i)
         self.policy.withdraw_kv(node)
         return slot
 
@@ -177,7 +177,7 @@ class Reservations:
 
     def _reserve_run(self, path: list[Node], start: int, end: int) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
-        pending = self.forest.pending_kv
+        pend_one = self.forest.pend_one
         for x in path:
             if x.end <= start:
                 continue
@@ -203,7 +203,7 @@ class Reservations:
                 got = wanted[: len(slots)]
                 x.reserve(got, slots)
                 for i, slot in zip(got, slots, strict=True):
-                    pending[slot] = (x, i)
+                    pend_one(slot, x, i)
                     out.append((x.start + i, slot))
                 self.policy.withdraw_kv(x)  # a pending block makes the node no victim
             if len(slots) < len(wanted):
@@ -250,11 +250,26 @@ class Reservations:
     def complete(self, kv_slots: Iterable[int], mamba_slots: Iterable[int], ok: bool) -> None:
         """See ``HybridRadixTree.complete_store``."""
         touched: dict[int, Node] = {}
+        run_nodes: dict[int, Node] = {}
+        run_lo = 0
         done = 0
-        pending_kv, pending_mamba = self.forest.pending_kv, self.forest.pending_mamba
+        pending_mamba = self.forest.pending_mamba
         obs = self.observer
         slots = kv_slots if isinstance(kv_slots, list) else list(kv_slots)
-        entries = list(map(pending_kv.pop, slots, repeat(None)))
+        if ok:
+            # A plan's own runs, committed in the call that built it: span by span, no map.
+            runs, run_lo, run_hi = self.forest.take_runs(slots)
+            for node, first, run_slots in runs:
+                end = first + len(run_slots)
+                node.retag(first, end, COMMIT)
+                if obs is not None:
+                    for h in node.hashes[first:end]:
+                        obs.host_kv(True, h)
+                run_nodes[id(node)] = node
+            if run_hi:
+                done += run_hi - run_lo
+                slots = slots[:run_lo] + slots[run_hi:]
+        entries = list(map(self.forest.pending_kv.pop, slots, repeat(None))) if slots else []
         stale = entries.count(None)
         self.counters.stale_completions += stale
         done += len(entries) - stale
@@ -278,6 +293,8 @@ class Reservations:
                 f = node.flags
                 node.set_flags(idx, bytes([table[f[i]] for i in idx]))
             touched[id(node)] = node
+        if run_nodes:  # settled in plan order: slots before the runs, the runs, the rest
+            touched = run_nodes | touched if not run_lo else touched | run_nodes
         for slot in mamba_slots:
             mnode = pending_mamba.pop(slot, None)
             if mnode is None:

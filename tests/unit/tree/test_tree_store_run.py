@@ -67,3 +67,67 @@ def test_runs_with_gaps_and_interleaved_commits_keep_flags_and_counters_exact() 
     check_invariants(tree)
     assert host_blocks(tree, req, None) == [0, 2, 3, 4, 6, 7, 9, 11]
     assert tree.stats()["pending_stores"] == 0
+
+
+def _runs_of_a_plan(tree: HybridRadixTree, req: list[bytes]) -> list[int]:
+    """Two new-leaf runs of one request, reserved as a step plan reserves them."""
+    from himamba.connector.tree import StoreCursor
+
+    cursor = StoreCursor()
+    slots = [s for _, s in tree.reserve_kv_run(req, None, 0, 6, True, cursor)]
+    slots += [s for _, s in tree.reserve_kv_run(req, None, 6, 10, True, cursor)]
+    return slots
+
+
+def test_a_plan_committing_its_runs_after_a_split_of_their_node_commits_every_block() -> None:
+    """A run's blocks wait unlisted until the plan commits them; a state reserved inside
+    the run (a cut of its node) between the two must not leave a block pending or commit
+    the wrong one."""
+    tree = HybridRadixTree(64, 8)
+    req = chain(10, salt="split")
+    slots = _runs_of_a_plan(tree, req)
+    state = tree.reserve_mamba(req, None, 3)  # cuts the first run's node after block 2
+    assert state is not None
+    check_invariants(tree)
+    tree.complete_store(slots, [state])
+    check_invariants(tree)
+    assert host_blocks(tree, req, None) == list(range(10))
+    assert tree.stats()["pending_stores"] == 0
+    assert tree.stats()["stores_committed"] == 11
+
+
+def test_single_slots_planned_before_the_runs_and_a_look_at_the_map_commit_exactly() -> None:
+    """A plan whose list starts with a block reserved alone (a tail), then the runs; and a
+    plan whose pending map is read between reserve and commit (stats): both commit exactly
+    the slots they list, counters and flags exact, nothing stale."""
+    for look in (False, True):
+        tree = HybridRadixTree(64, 8)
+        other = chain(3, salt=f"tail-{look}")
+        lone = tree.reserve_kv(other, None, 0)
+        assert lone is not None
+        req = chain(10, salt=f"req-{look}")
+        slots = _runs_of_a_plan(tree, req)
+        if look:
+            assert tree.stats()["pending_stores"] == 11
+        tree.complete_store([lone, *slots], [])
+        check_invariants(tree)
+        assert host_blocks(tree, req, None) == list(range(10))
+        assert host_blocks(tree, other, None) == [0]
+        stats = tree.stats()
+        assert (stats["pending_stores"], stats["stale_completions"]) == (0, 0)
+        assert stats["stores_committed"] == 11
+
+
+def test_a_plan_rolling_back_part_of_its_runs_frees_exactly_those_slots() -> None:
+    """Blocks with nothing to copy are rolled back before the plan commits the rest (the
+    planner's missing-device-block path): the rollback sees every waiting run."""
+    tree = HybridRadixTree(64, 8)
+    req = chain(10, salt="rollback")
+    slots = _runs_of_a_plan(tree, req)
+    free_before = tree.stats()["host_kv_free"]
+    tree.complete_store(slots[7:], [], ok=False)
+    tree.complete_store(slots[:7], [])
+    check_invariants(tree)
+    assert host_blocks(tree, req, None) == list(range(7))
+    assert tree.stats()["host_kv_free"] == free_before + 3
+    assert tree.stats()["pending_stores"] == 0
