@@ -30,6 +30,7 @@ from himamba.connector.tree import (
     STORAGE,
     HybridRadixTree,
     LockHandle,
+    StoreCursor,
     check_invariants,
 )
 from himamba.connector.tree.eviction import kv_evictable
@@ -229,6 +230,66 @@ class TreeMachine(RuleBasedStateMachine):
         for i in before:
             assert _block(tree, hashes, part, i) & HOST, ("own block evicted", i, before)
         assert all(start <= i < end for i, _ in got)
+
+    @rule(
+        req=requests,
+        cut=st.integers(1, MAX_LEN),
+        lone=st.one_of(st.none(), requests),
+        between=st.sampled_from(["none", "split", "evict", "mark", "stats"]),
+        drop=st.integers(0, 2),
+    )
+    def plan(self, req, cut, lone, between, drop) -> None:
+        """What one step plan does: a single slot planned first (a partial tail), then a
+        request's runs with its cursor, a state at each run end, maybe something in between
+        (a state inside a run: a split; an eviction; a storage mark; a read of the pending
+        map), the last ``drop`` slots rolled back (nothing to copy), the rest committed in
+        plan order. Every committed block is then on host in the slot it was reserved."""
+        hashes, part = self._req(req)
+        tree = self.tree
+        kv: list[int] = []
+        placed: list[tuple[int, int]] = []
+        if lone is not None:
+            lh, lp = self._req(lone)
+            slot = tree.reserve_kv(lh, lp, len(lh) - 1)
+            if slot is not None:
+                kv.append(slot)
+        cursor = StoreCursor()
+        states: list[int] = []
+        bounds = sorted({min(cut, len(hashes)), len(hashes)})
+        start = 0
+        for end in bounds:
+            if end <= start:
+                continue
+            got = tree.reserve_kv_run(hashes, part, start, end, True, cursor)
+            placed += got
+            kv += [s for _, s in got]
+            state = tree.reserve_mamba(hashes, part, end, cursor=cursor)
+            if state is not None:
+                states.append(state)
+            start = end
+        if between == "split" and len(hashes) > 1:
+            state = tree.reserve_mamba(hashes, part, 1)
+            if state is not None:
+                states.append(state)
+        elif between == "evict":
+            evict_host(tree, 1)
+        elif between == "mark":
+            tree.mark_storage(hashes, part, len(hashes))
+        elif between == "stats":
+            assert tree.stats()["pending_stores"] >= len(kv) + len(states)
+        self.allocated[0] += len(kv)
+        self.allocated[1] += len(states)
+        dropped = kv[len(kv) - drop :] if drop else []
+        if dropped:
+            tree.complete_store(dropped, [], ok=False)
+        tree.complete_store(kv[: len(kv) - len(dropped)], states, ok=True)
+        for i, slot in placed:
+            if slot in dropped:
+                continue
+            found = tree.forest.locate(hashes, part, i + 1)
+            assert found is not None, ("committed block gone", i)
+            node, j = found
+            assert node.flags[j] & HOST and node.slot(j) == slot, ("block", i, slot)
 
     @rule(target=stored, req=requests, mid=st.integers(1, MAX_LEN), ok=st.integers(0, 5))
     def store_request(self, req, mid, ok):

@@ -131,3 +131,24 @@ def test_a_plan_rolling_back_part_of_its_runs_frees_exactly_those_slots() -> Non
     assert host_blocks(tree, req, None) == list(range(7))
     assert tree.stats()["host_kv_free"] == free_before + 3
     assert tree.stats()["pending_stores"] == 0
+
+
+def test_a_commit_listing_only_part_of_the_waiting_runs_commits_exactly_what_it_lists() -> None:
+    """A commit whose list is as long as the waiting runs but not exactly them (a single
+    slot in place of a run's last block) must commit the single slot and leave that block
+    in flight, not commit the runs wholesale."""
+    tree = HybridRadixTree(64, 8)
+    other = chain(3, salt="lone")
+    lone = tree.reserve_kv(other, None, 0)
+    assert lone is not None
+    req = chain(10, salt="part")
+    slots = _runs_of_a_plan(tree, req)
+    tree.complete_store([lone, *slots[:-1]], [])
+    check_invariants(tree)
+    assert host_blocks(tree, other, None) == [0]
+    assert host_blocks(tree, req, None) == list(range(9))
+    assert tree.stats()["pending_stores"] == 1
+    tree.complete_store(slots[-1:], [])
+    check_invariants(tree)
+    assert host_blocks(tree, req, None) == list(range(10))
+    assert tree.stats()["pending_stores"] == 0
