@@ -202,8 +202,7 @@ class Forest:
 
     def split(self, node: Node, cuts: Sequence[int]) -> list[Node]:
         """Cut ``node`` before each offset in ``cuts``; return the new heads top-down."""
-        if self._runs:
-            self._enter_runs()  # their (node, index) must be rewritten below, not after
+        pending = self.pending_kv  # enters waiting runs now: rewritten below, not after
         heads = node.split_at(cuts)
         self.num_nodes += len(heads)
         if self.doomed and node in self.doomed:  # every piece holds pre-reset content
@@ -214,7 +213,7 @@ class Forest:
                 assert slots is not None
                 for i, f in enumerate(part.flags):
                     if f & PENDING:
-                        self.pending_kv[slots[i]] = (part, i)
+                        pending[slots[i]] = (part, i)
         self.dirty.append(node)
         return heads
 
