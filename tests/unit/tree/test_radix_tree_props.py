@@ -26,7 +26,6 @@ from himamba.connector.tree import (
     HOST,
     LOADABLE,
     NO_SLOT,
-    PENDING,
     STORAGE,
     HybridRadixTree,
     LockHandle,
@@ -34,8 +33,15 @@ from himamba.connector.tree import (
     check_invariants,
 )
 from himamba.connector.tree.eviction import kv_evictable
-from himamba.connector.tree.node import Node
-from tests.unit.tree.tree_helpers import evict_device, evict_host, evict_host_mamba
+from tests.unit.tree.tree_helpers import (
+    block_flags,
+    evict_device,
+    evict_host,
+    evict_host_mamba,
+    is_doomed,
+    slots_in_use,
+    state_bits,
+)
 
 KV_SLOTS, MAMBA_SLOTS, MAX_LEN = 12, 5, 6
 STEPS = {"n": 0}
@@ -56,42 +62,6 @@ def chain(tokens: list[int], salted: bool) -> list[bytes]:
         prev = hashlib.blake2b(prev + bytes([t]), digest_size=8).digest()
         out.append(prev)
     return out
-
-
-def _doomed(tree: HybridRadixTree, x: Node | None) -> bool:
-    """Held across a reset(): never served, nor anything below it."""
-    while x is not None:
-        if x in tree.forest.doomed:
-            return True
-        x = x.parent
-    return False
-
-
-def _block(tree: HybridRadixTree, hashes: list[bytes], part: object, i: int) -> int:
-    found = tree.forest.locate(hashes, part, i + 1)
-    if found is None or _doomed(tree, found[0]):
-        return 0
-    return found[0].flags[found[1]]
-
-
-def _state(tree: HybridRadixTree, hashes: list[bytes], part: object, n: int) -> int:
-    found = tree.forest.locate(hashes, part, n)
-    if found is None or found[0].end != n or _doomed(tree, found[0]):
-        return 0
-    return found[0].mamba
-
-
-def _slots_in_use(tree: HybridRadixTree) -> tuple[set[int], set[int]]:
-    """Host KV and Mamba slots that some node holds (committed or pending)."""
-    kv: set[int] = set()
-    mamba: set[int] = set()
-    for x in tree.iter_nodes():
-        for i, f in enumerate(x.flags):
-            if f & (HOST | PENDING):
-                kv.add(x.slot(i))
-        if x.mamba & (HOST | PENDING):
-            mamba.add(x.mamba_slot)
-    return kv, mamba
 
 
 Locked = tuple[LockHandle, list[bytes], object, int, int, list[int], int]
@@ -161,9 +131,9 @@ class TreeMachine(RuleBasedStateMachine):
         # every boundary on the way that has a loadable state.
         want, bounds = 0, []
         for n in range(start + 1, limit + 1):
-            if not _block(self.tree, hashes, part, n - 1) & LOADABLE:
+            if not block_flags(self.tree, hashes, part, n - 1) & LOADABLE:
                 break
-            m = _state(self.tree, hashes, part, n)
+            m = state_bits(self.tree, hashes, part, n)
             if m & LOADABLE:
                 want = n
                 bounds.append((n, bool(m & HOST)))
@@ -172,7 +142,7 @@ class TreeMachine(RuleBasedStateMachine):
         if want:
             assert len(res.kv_slots) == want - start
             for j, s in enumerate(res.kv_slots):
-                f = _block(self.tree, hashes, part, start + j)
+                f = block_flags(self.tree, hashes, part, start + j)
                 assert (s != NO_SLOT) == bool(f & HOST)
             assert res.host_num_blocks <= res.num_blocks
             if take:  # lock 3 hits out of 4: loads in flight are the hard part
@@ -223,12 +193,12 @@ class TreeMachine(RuleBasedStateMachine):
         end = min(max(a + 1, b), len(hashes))
         start = min(a, end - 1)
         tree = self.tree
-        before = [i for i in range(end) if _block(tree, hashes, part, i) & HOST]
+        before = [i for i in range(end) if block_flags(tree, hashes, part, i) & HOST]
         got = tree.reserve_kv_run(hashes, part, start, end)
         self.kv_pending += [s for _, s in got]
         self.allocated[0] += len(got)
         for i in before:
-            assert _block(tree, hashes, part, i) & HOST, ("own block evicted", i, before)
+            assert block_flags(tree, hashes, part, i) & HOST, ("own block evicted", i, before)
         assert all(start <= i < end for i, _ in got)
 
     @rule(
@@ -351,7 +321,7 @@ class TreeMachine(RuleBasedStateMachine):
         tree = self.tree
         # Marks landing on a path a reset condemned go with it (conservative, never wrong).
         condemned = any(
-            f is not None and _doomed(tree, f[0])
+            f is not None and is_doomed(tree, f[0])
             for f in (tree.forest.locate(hashes, part, b) for b in range(1, n + 1))
         )
         tree.mark_storage(hashes, part, n, ends)
@@ -361,7 +331,7 @@ class TreeMachine(RuleBasedStateMachine):
             found = tree.forest.locate(hashes, part, b)
             if found is None:
                 assert tree.max_nodes is not None, "a marked block vanished without a budget"
-            elif not _doomed(tree, found[0]):
+            elif not is_doomed(tree, found[0]):
                 assert found[0].flags[found[1]] & STORAGE
                 if b in ends:
                     assert found[0].end == b and found[0].mamba & STORAGE
@@ -392,7 +362,7 @@ class TreeMachine(RuleBasedStateMachine):
         """Every slot that left the tree since the last step is journaled; a quarantined
         slot stays quarantined (and so unused) until the plan is sealed."""
         tree = self.tree
-        now = _slots_in_use(tree)
+        now = slots_in_use(tree)
         freed = tree.take_freed()
         quarantined = (
             set(tree.kv_slots.quarantined_slots()),

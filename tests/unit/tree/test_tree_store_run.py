@@ -4,7 +4,7 @@ blocks are victims, and with none left the run stops."""
 
 from __future__ import annotations
 
-from himamba.connector.tree import HybridRadixTree, check_invariants
+from himamba.connector.tree import HybridRadixTree, StoreCursor, check_invariants
 from tests.unit.tree.tree_helpers import chain, evict_device, host_blocks, store
 
 
@@ -71,8 +71,6 @@ def test_runs_with_gaps_and_interleaved_commits_keep_flags_and_counters_exact() 
 
 def _runs_of_a_plan(tree: HybridRadixTree, req: list[bytes]) -> list[int]:
     """Two new-leaf runs of one request, reserved as a step plan reserves them."""
-    from himamba.connector.tree import StoreCursor
-
     cursor = StoreCursor()
     slots = [s for _, s in tree.reserve_kv_run(req, None, 0, 6, True, cursor)]
     slots += [s for _, s in tree.reserve_kv_run(req, None, 6, 10, True, cursor)]

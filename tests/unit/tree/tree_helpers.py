@@ -3,7 +3,8 @@
 vLLM tells a connector nothing when it drops GPU blocks, so the connector never clears GPU
 marks; tests do, to make the host copy a block's only tier. Hit counts are read by the tree's
 own ``hot_objects``; tests read them directly. ``chain`` and ``store`` build the hashes and
-the write-through every tree test starts from.
+the write-through every tree test starts from. ``block_flags``, ``state_bits`` and
+``slots_in_use`` read the tree as the oracles of the property machine see it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Hashable, Sequence
 
-from himamba.connector.tree import GPU, HOST, HybridRadixTree, check_invariants
+from himamba.connector.tree import GPU, HOST, PENDING, HybridRadixTree, check_invariants
+from himamba.connector.tree.node import Node
 from himamba.connector.tree.tier_marks import clear_path
 
 
@@ -77,3 +79,41 @@ def store(tree: HybridRadixTree, hashes: list[bytes], part=None, states=(), ok=T
     mb = [tree.reserve_mamba(hashes, part, n) for n in states]
     tree.complete_store([s for s in kv if s is not None], [s for s in mb if s is not None], ok)
     check_invariants(tree)
+
+
+def is_doomed(tree: HybridRadixTree, x: Node | None) -> bool:
+    """Held across a reset(): never served, nor anything below it."""
+    while x is not None:
+        if x in tree.forest.doomed:
+            return True
+        x = x.parent
+    return False
+
+
+def block_flags(tree: HybridRadixTree, hashes: list[bytes], part: object, i: int) -> int:
+    """Block ``i``'s tier flags as a hit would see them (0: absent or condemned by a reset)."""
+    found = tree.forest.locate(hashes, part, i + 1)
+    if found is None or is_doomed(tree, found[0]):
+        return 0
+    return found[0].flags[found[1]]
+
+
+def state_bits(tree: HybridRadixTree, hashes: list[bytes], part: object, n: int) -> int:
+    """The tiers of the Mamba state at boundary ``n`` (0: none there, or condemned)."""
+    found = tree.forest.locate(hashes, part, n)
+    if found is None or found[0].end != n or is_doomed(tree, found[0]):
+        return 0
+    return found[0].mamba
+
+
+def slots_in_use(tree: HybridRadixTree) -> tuple[set[int], set[int]]:
+    """Host KV and Mamba slots that some node holds (committed or pending)."""
+    kv: set[int] = set()
+    mamba: set[int] = set()
+    for x in tree.iter_nodes():
+        for i, f in enumerate(x.flags):
+            if f & (HOST | PENDING):
+                kv.add(x.slot(i))
+        if x.mamba & (HOST | PENDING):
+            mamba.add(x.mamba_slot)
+    return kv, mamba
