@@ -124,6 +124,10 @@ def main() -> None:
     cold_np = np.ones(2 << 30, dtype=np.uint8) if a.device == "cpu" else np.ones(1, np.uint8)
     cursor = [0]
     results = []
+    # Where a job's time goes: planning and queueing it on this thread (the fixed CPU cost per
+    # job), and the job itself as the engine times it (events on a GPU stream).
+    issue_s: list[float] = []
+    job_s: list[float] = []
     for n in batches:
         # Fresh random block ids (never block 0, vLLM's null block) and slots per call.
         def pick(n: int = n) -> tuple[list[list[int]], list[int]]:
@@ -156,10 +160,14 @@ def main() -> None:
         def run(to_host: bool, nbytes: int = nbytes, pick: Callable = pick) -> Callable[[], None]:
             def call() -> None:
                 ids, slots = pick()
+                t0 = time.perf_counter()
                 plan = plan_copies(layers, ids, pool, slots, to_host)
                 job = engine.submit([plan])
+                issue_s.append(time.perf_counter() - t0)
                 engine.wait([job])
-                assert engine.collect([job])[0].ok and plan.nbytes == nbytes
+                (done,) = engine.collect([job])
+                assert done.ok and plan.nbytes == nbytes
+                job_s.append(done.seconds)
 
             return call
 
@@ -178,6 +186,8 @@ def main() -> None:
         base_cold = statistics.median(timed(cold_memcpy, iters))
         base = statistics.median(timed(memcpy, iters))
         for direction, to_host in (("device_to_host", True), ("host_to_device", False)):
+            issue_s.clear()
+            job_s.clear()
             t = statistics.median(timed(run(to_host), iters))
             line = {
                 "direction": direction,
@@ -190,6 +200,8 @@ def main() -> None:
                 "plain_copy_gb_per_s": round(nbytes / base / 1e9, 3),
                 "torch_copy_gb_per_s": round(nbytes / base_torch / 1e9, 3),
                 "ratio_vs_plain_copy": round(base / t, 3),
+                "issue_ms": round(1e3 * statistics.median(issue_s), 3),
+                "job_ms": round(1e3 * statistics.median(job_s), 3),
                 "cold_copy_gb_per_s": round(nbytes / base_cold / 1e9, 3),
                 "ratio_vs_cold_copy": round(base_cold / t, 3),
             }

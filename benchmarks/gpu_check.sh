@@ -41,5 +41,7 @@ for op in direct torch; do
     timeout 100 $PY -m benchmarks.bench_transfer --device cuda --quick --ids random --op "$op" \
         2>&1 | tee "$OUTDIR/bench_transfer_random_$op.jsonl" || rc=1
 done
+# The CPU side of a staged job on this machine's CPU (planning, layout, launches' Python).
+timeout 60 $PY -m benchmarks.bench_staging_issue 2>&1 | tee "$OUTDIR/bench_staging_issue.jsonl" || rc=1
 echo "gpu_check: exit $rc" | tee -a "$OUTDIR/env.txt"
 exit $rc

@@ -73,6 +73,7 @@ class HostSlotPool:
         self.np_rows = [row.numpy() for row in self.rows]
         self._phys = list(range(num_slots))
         self._spares = list(range(num_slots, physical))
+        self._columns: dict[tuple[int, int, int], tuple[torch.Tensor, np.ndarray]] = {}
 
     @property
     def slot_bytes(self) -> int:
@@ -85,6 +86,19 @@ class HostSlotPool:
     @property
     def spares_free(self) -> int:
         return len(self._spares)
+
+    def columns(self, layer: int, start: int, stop: int) -> tuple[torch.Tensor, np.ndarray]:
+        """Columns ``start:stop`` of layer ``layer``'s rows (torch and numpy views), made once:
+        every copy plan asks for the same few, and the GPU copy path keys what it works out
+        about a plan's layout on these objects."""
+        key = (layer, start, stop)
+        views = self._columns.get(key)
+        if views is None:
+            views = self._columns[key] = (
+                self.rows[layer][:, start:stop],
+                self.np_rows[layer][:, start:stop],
+            )
+        return views
 
     def physical(self, slots: Sequence[int]) -> list[int]:
         """Where the logical `slots` live now (copy plans index the rows with these)."""

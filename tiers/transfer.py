@@ -216,11 +216,9 @@ def plan_copies(
             runs = runs_of[key] = find_runs(key, slots)
         offset = 0
         for si, seg in enumerate(layer.segments):
-            cols = slice(offset, offset + seg.shape[1])
+            host, np_host = pool.columns(li, offset, offset + seg.shape[1])
             np_seg = None if layer.np_segments is None else layer.np_segments[si]
-            segments.append(
-                SegmentRuns(seg, np_seg, pool.rows[li][:, cols], pool.np_rows[li][:, cols], runs)
-            )
+            segments.append(SegmentRuns(seg, np_seg, host, np_host, runs))
             offset += seg.shape[1]
         nbytes += layer.block_bytes * len(ids)
         rows += len(ids) * len(layer.segments)

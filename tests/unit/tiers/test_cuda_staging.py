@@ -120,3 +120,71 @@ def test_no_room_for_the_buffer_falls_back_to_the_direct_lists_for_good(monkeypa
         assert not staging.issue(plan, _memmove_dma([]))  # nothing queued: caller goes direct
     assert torch.all(pool._buffer == 0x11)
     assert not staging.issue(plan, _memmove_dma([]))  # and it does not retry every job
+
+
+def _odd_layers() -> list[LayerBlocks]:
+    """Rows whose widths and pool offsets allow 8-, 4-, 2- and 1-byte words."""
+    g = torch.Generator().manual_seed(5)
+    widths = [64, 36, 6, 7, 40]  # pool offsets 0, 64, 100, 106, 113: int64, int32, int16, bytes
+    raw = [
+        torch.randint(-128, 127, (NUM_BLOCKS * 128,), dtype=torch.int8, generator=g) for _ in widths
+    ]
+    return [
+        LayerBlocks.wrap(f"w{w}", torch.as_strided(r, (NUM_BLOCKS, w), (128, 1)), NUM_BLOCKS)
+        for w, r in zip(widths, raw, strict=True)
+    ]
+
+
+def test_rows_move_in_the_widest_word_their_alignment_allows_and_stay_exact() -> None:
+    layers = _odd_layers()
+    pool = HostSlotPool([lb.block_bytes for lb in layers], 12)
+    pool._buffer.fill_(0x3C)
+    staging = DeviceStaging(CPU, capacity_bytes=3 * pool.stride)
+    blocks, slots = [11, 2, 37, 20, 5], [9, 0, 4, 7, 1]
+    before = _snapshot(layers)
+    store = plan_copies(layers, [blocks] * len(layers), pool, slots, True)
+    assert staging.issue(store, _memmove_dma([]))
+    (geo,) = staging._geometries.values()
+    assert [s.dtype for s in geo.segs] == [
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.uint8,
+        torch.uint8,
+    ]
+    for li, snap in enumerate(before):
+        for b, s in zip(blocks, slots, strict=True):
+            assert torch.equal(pool.rows[li][s], snap[b])
+    grid = pool._buffer.view(-1, pool.stride)
+    assert torch.all(grid[[s for s in range(12) if s not in slots]] == 0x3C)
+    assert torch.all(grid[:, pool.slot_bytes :] == 0x3C)  # the slot's padding
+
+    targets = [30, 8, 1, 16, 25]
+    assert staging.issue(
+        plan_copies(layers, [targets] * len(layers), pool, slots, False), _memmove_dma([])
+    )
+    for snap, now in zip(before, _snapshot(layers), strict=True):
+        for b, t in zip(blocks, targets, strict=True):
+            assert torch.equal(now[t], snap[b])
+        for other in set(range(NUM_BLOCKS)) - set(targets):
+            assert torch.equal(now[other], snap[other])
+
+
+def test_a_layout_is_worked_out_once_and_a_new_buffer_is_never_written_through_old_views() -> None:
+    layers = _layers()
+    small = HostSlotPool([lb.block_bytes for lb in layers], 8)
+    # A pool with a wider slot (header room) makes the buffer grow between two jobs of `small`.
+    wide = HostSlotPool([lb.block_bytes for lb in layers], 8, head_bytes=1024)
+    staging = DeviceStaging(CPU, capacity_bytes=2 * small.stride + 10)
+    before = _snapshot(layers)
+    for pool, blocks, slots in [
+        (small, [3, 17], [5, 2]),
+        (small, [9, 1], [0, 7]),  # same layout: no new geometry
+        (wide, [30, 6], [1, 4]),  # grows the buffer
+        (small, [22, 14], [6, 3]),  # back to the first layout, on the new buffer
+    ]:
+        assert staging.issue(plan_copies(layers, [blocks] * 3, pool, slots, True), _memmove_dma([]))
+        for li, snap in enumerate(before):
+            for b, s in zip(blocks, slots, strict=True):
+                assert torch.equal(pool.rows[li][s], snap[b])
+    assert len(staging._geometries) == 2
