@@ -73,6 +73,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 plan = plan_copies(layers, [ids] * len(layers), pool, slots, to_host)
                 t1 = time.perf_counter()
+                # As the copy engine issues it: is it worth staging, then the staged issue.
                 assert worth_staging(plan) and staging.issue(plan, no_dma)
                 t2 = time.perf_counter()
                 plan_s.append(t1 - t0)

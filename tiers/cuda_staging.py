@@ -143,10 +143,18 @@ def _ids(plan: CopyPlan) -> tuple[list[list[int]], list[int], list[int]] | None:
 def direct_ranges(plan: CopyPlan) -> int:
     """How many ranges the direct pointer lists would hold (``CopyPlan.pointer_lists``)."""
     total = 0
+    rows_of: dict[int, int] = {}  # segments of one KV group share their runs: count once
     for g in plan.segments:
+        runs = g.runs
         seg_bytes = g.seg.shape[1]
-        dense = g.seg.stride(0) == seg_bytes and g.host.stride(0) == seg_bytes
-        total += len(g.runs.runs) if dense else sum(n for _, _, n in g.runs.runs)
+        if g.seg.stride(0) == seg_bytes and g.host.stride(0) == seg_bytes:
+            total += len(runs.runs)
+            continue
+        rows = rows_of.get(id(runs))
+        if rows is None:
+            rows = len(runs.runs) if runs.singles else sum(n for _, _, n in runs.runs)
+            rows_of[id(runs)] = rows
+        total += rows
     return total
 
 
