@@ -45,6 +45,17 @@ def _snapshot(layers: list[LayerBlocks]) -> list[torch.Tensor]:
     return [torch.cat([s.clone() for s in lb.segments], dim=1) for lb in layers]
 
 
+def _assert_loaded(
+    before: list[torch.Tensor], layers: list[LayerBlocks], blocks: list[int], targets: list[int]
+) -> None:
+    """Each target block now holds what ``blocks`` held in ``before``; no other block changed."""
+    for snap, now in zip(before, _snapshot(layers), strict=True):
+        for b, t in zip(blocks, targets, strict=True):
+            assert torch.equal(now[t], snap[b])
+        for other in set(range(NUM_BLOCKS)) - set(targets):
+            assert torch.equal(now[other], snap[other])
+
+
 def test_staged_round_trip_moves_exactly_the_planned_rows_in_chunks() -> None:
     layers = _layers()
     pool = HostSlotPool([lb.block_bytes for lb in layers], 16, head_bytes=64)
@@ -68,12 +79,7 @@ def test_staged_round_trip_moves_exactly_the_planned_rows_in_chunks() -> None:
 
     targets = [33, 1, 18, 26, 38, 14, 4]
     assert staging.issue(plan_copies(layers, [targets] * 3, pool, slots, False), _memmove_dma([]))
-    after = _snapshot(layers)
-    for snap, now in zip(before, after, strict=True):
-        for b, t in zip(blocks, targets, strict=True):
-            assert torch.equal(now[t], snap[b])
-        for other in set(range(NUM_BLOCKS)) - set(targets):
-            assert torch.equal(now[other], snap[other])
+    _assert_loaded(before, layers, blocks, targets)
 
 
 def test_a_plan_over_some_layers_leaves_the_other_layers_columns_alone() -> None:
@@ -163,11 +169,7 @@ def test_rows_move_in_the_widest_word_their_alignment_allows_and_stay_exact() ->
     assert staging.issue(
         plan_copies(layers, [targets] * len(layers), pool, slots, False), _memmove_dma([])
     )
-    for snap, now in zip(before, _snapshot(layers), strict=True):
-        for b, t in zip(blocks, targets, strict=True):
-            assert torch.equal(now[t], snap[b])
-        for other in set(range(NUM_BLOCKS)) - set(targets):
-            assert torch.equal(now[other], snap[other])
+    _assert_loaded(before, layers, blocks, targets)
 
 
 def test_a_layout_is_worked_out_once_and_a_new_buffer_is_never_written_through_old_views() -> None:
