@@ -22,28 +22,14 @@ import time
 
 import torch
 
+from benchmarks.bench_transfer import build_layers
 from himamba.tiers.cpu_pool import HostSlotPool
 from himamba.tiers.cuda_staging import DeviceStaging, worth_staging
 from himamba.tiers.object_format import HEADER_SIZE
-from himamba.tiers.transfer import LayerBlocks, plan_copies
+from himamba.tiers.transfer import plan_copies
 
 PAGE = 256  # bytes per block and layer (bench_transfer: 64 KiB)
 MAMBA_STATE_BYTES = 144  # of which a Mamba state uses (bench_transfer: 36032)
-
-
-def build_layers(num_blocks: int, n_attn: int, n_mamba: int) -> list[LayerBlocks]:
-    layers = []
-    for i in range(n_attn + n_mamba):
-        raw = torch.zeros(num_blocks * PAGE, dtype=torch.int8)
-        if i < n_attn:
-            t = raw.view(torch.bfloat16).view(num_blocks, 2, 8, 8)
-        else:
-            t = raw.as_strided(
-                (num_blocks, 1, 1, MAMBA_STATE_BYTES),
-                (PAGE, MAMBA_STATE_BYTES, MAMBA_STATE_BYTES, 1),
-            )
-        layers.append(LayerBlocks.wrap(f"l{i}", t, num_blocks))
-    return layers
 
 
 def main() -> None:
@@ -56,7 +42,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     a = ap.parse_args()
     torch.set_num_threads(1)  # a GPU job's launches come from one thread
-    layers = build_layers(a.num_blocks, a.attn_layers, a.mamba_layers)
+    layers = build_layers(
+        a.num_blocks, a.attn_layers, a.mamba_layers, "cpu", PAGE, MAMBA_STATE_BYTES
+    )
     pool = HostSlotPool([lb.block_bytes for lb in layers], a.slots, head_bytes=HEADER_SIZE)
     staging = DeviceStaging(torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)

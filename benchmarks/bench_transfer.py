@@ -2,7 +2,7 @@
 
 Caches are laid out as vLLM lays out a hybrid model's: one raw int8 buffer per layer of
 ``num_blocks * page`` bytes (page = 64 KiB), viewed either as an attention cache
-``[num_blocks, 2, 128, 128]`` bf16 (the whole page) or as a Mamba state view
+``[num_blocks, 2, 8, 2048]`` bf16 (the whole page, K and V halves) or as a Mamba state view
 ``[num_blocks, 1, 1, 36032]`` int8 with block stride 65536 (the state uses only the first
 36032 bytes of each padded page). Each batch copies ``n`` random distinct blocks of every
 layer to / from ``n`` random host slots (``HostSlotPool``), as the connector's stores and
@@ -40,24 +40,33 @@ PAGE = 65536
 MAMBA_STATE_BYTES = 36032
 
 
-def build_layers(num_blocks: int, n_attn: int, n_mamba: int, device: str) -> list[LayerBlocks]:
+def build_layers(
+    num_blocks: int,
+    n_attn: int,
+    n_mamba: int,
+    device: str,
+    page: int = PAGE,
+    state_bytes: int = MAMBA_STATE_BYTES,
+) -> list[LayerBlocks]:
+    """Per layer one raw buffer of ``num_blocks`` pages: an attention cache (K and V halves of
+    the page) or a Mamba state using the first ``state_bytes`` of each page."""
     layers = []
     for i in range(n_attn + n_mamba):
-        raw = torch.zeros(num_blocks * PAGE, dtype=torch.int8, device=device)
+        raw = torch.zeros(num_blocks * page, dtype=torch.int8, device=device)
         raw.fill_(i % 100 + 1)
         # Block-distinct bytes at the start of each page, for the round-trip check.
-        raw.view(num_blocks, PAGE)[:, :64].copy_(
+        raw.view(num_blocks, page)[:, :64].copy_(
             (torch.arange(num_blocks * 64, device=device) * 7 + i)
             .view(num_blocks, 64)
             .to(torch.int8)
         )
         if i < n_attn:
-            t = raw.view(torch.bfloat16).view(num_blocks, 2, 128, 128)
+            t = raw.view(torch.bfloat16).view(num_blocks, 2, 8, page // 32)
             name = f"attn.{i}"
         else:
             t = raw.as_strided(
-                (num_blocks, 1, 1, MAMBA_STATE_BYTES),
-                (PAGE, MAMBA_STATE_BYTES, MAMBA_STATE_BYTES, 1),
+                (num_blocks, 1, 1, state_bytes),
+                (page, state_bytes, state_bytes, 1),
             )
             name = f"mamba.{i}"
         layers.append(LayerBlocks.wrap(name, t, num_blocks))
