@@ -68,7 +68,7 @@ def _word(*values: int) -> tuple[int, torch.dtype]:
     return 1, torch.uint8
 
 
-def _geometry(plan: CopyPlan) -> _Geometry | None:
+def _work_out(plan: CopyPlan) -> _Geometry | None:
     """The plan's layout, or None when its host side is not one slot pool (then the direct
     lists are used)."""
     first = plan.segments[0].host
@@ -202,7 +202,7 @@ class DeviceStaging:
         key = tuple(id(t) for g in plan.segments for t in (g.seg, g.host))
         geo = self._geometries.get(key)
         if geo is None:
-            geo = _geometry(plan)
+            geo = _work_out(plan)
             if geo is None:
                 return None
             if len(self._geometries) >= _GEOMETRIES:
