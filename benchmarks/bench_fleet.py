@@ -88,15 +88,34 @@ def replica_env(replica: int, bind: bool) -> dict[str, str] | None:
 
 
 _HIT = re.compile(r'^vllm:himamba_hit_tokens(?:_total)?\{[^}]*tier="(\w+)"[^}]*\} ([0-9.eE+-]+)$')
+# Where a turn's TTFT goes: the worker's storage fetches (storage -> CPU tier, submission to
+# completion), vLLM's own split of each request's time to its first token into queued (arrival
+# to first scheduled: probes, fetches and loads of a connector hit) and prefill, and the time
+# between two output tokens (a decode step: what any engine step costs at least).
+_TIME_KEYS = {
+    "himamba_storage_op_seconds": "fetch",
+    "request_queue_time_seconds": "queued",
+    "request_prefill_time_seconds": "prefill",
+    "inter_token_latency_seconds": "decode_step",
+}
+_TIMES = re.compile(rf"^vllm:({'|'.join(_TIME_KEYS)})_(sum|count)\{{([^}}]*)\}} ([0-9.eE+-]+)$")
 
 
-def tier_hits(server: Server) -> dict[str, float]:
+def counters(server: Server) -> dict[str, float]:
+    """Hit tokens by tier; ``<part>_s`` / ``<part>_n`` for the parts of ``_TIME_KEYS``."""
     text = requests.get(f"{server.base}/metrics", timeout=30).text
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = _HIT.match(line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        if m := _HIT.match(line):
+            key, value = m.group(1), m.group(2)
+        elif m := _TIMES.match(line):
+            if m.group(1) == "himamba_storage_op_seconds" and 'op="fetch"' not in m.group(3):
+                continue
+            part = _TIME_KEYS[m.group(1)]
+            key, value = f"{part}_s" if m.group(2) == "sum" else f"{part}_n", m.group(4)
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
@@ -105,14 +124,14 @@ def run_config(
 ) -> dict[str, Any]:
     """Every conversation, turn by turn (all conversations finish turn t before turn t+1)."""
     records: list[dict[str, Any]] = []
-    hits_per_turn: list[dict[str, float]] = []
+    per_turn: list[dict[str, float]] = []
     lock = threading.Lock()
     history = {c: w.system_prompt() for c in range(w.conversations)}
 
     def snapshot() -> dict[str, float]:
         total: dict[str, float] = {}
         for s in servers:
-            for k, v in tier_hits(s).items():
+            for k, v in counters(s).items():
                 total[k] = total.get(k, 0.0) + v
         return total
 
@@ -152,10 +171,21 @@ def run_config(
         if a.settle_s:
             time.sleep(a.settle_s)  # write-through lands before the next turn asks for it
         after = snapshot()
-        hits_per_turn.append({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
+        per_turn.append({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
         before = after
     records.sort(key=lambda r: (r["turn"], r["conversation"]))
-    return {"records": records, "tier_hits_per_turn": hits_per_turn}
+    return {"records": records, "counters_per_turn": per_turn}
+
+
+def _turn_counters(c: dict[str, float]) -> dict[str, Any]:
+    """One turn's hit tokens by tier, its storage fetches (count) and the mean time of each
+    part of ``_TIME_KEYS`` (ms)."""
+    parts = {p: (c.get(f"{p}_s", 0.0), c.get(f"{p}_n", 0.0)) for p in _TIME_KEYS.values()}
+    return {
+        "tier_hits": {k: v for k, v in c.items() if not k.endswith(("_s", "_n"))},
+        "fetches": int(parts["fetch"][1]),
+        **{f"{p}_mean_ms": round(1000 * s / n, 1) if n else None for p, (s, n) in parts.items()},
+    }
 
 
 def summarize(results: dict[str, Any], turns: int) -> dict[str, Any]:
@@ -171,7 +201,7 @@ def summarize(results: dict[str, Any], turns: int) -> dict[str, Any]:
                 "ttft_max_s": round(max(r["ttft_s"] for r in recs), 4),
                 "cached_median": statistics.median(r["cached_tokens"] or 0 for r in recs),
                 "prompt_median": statistics.median(r["prompt_tokens"] for r in recs),
-                "tier_hits": res["tier_hits_per_turn"][t - 1],
+                **_turn_counters(res["counters_per_turn"][t - 1]),
             }
         later = [r["ttft_s"] for r in res["records"] if r["turn"] >= 2]
         table[config] = {
