@@ -143,7 +143,9 @@ def _ids(plan: CopyPlan) -> tuple[list[list[int]], list[int], list[int]] | None:
 def direct_ranges(plan: CopyPlan) -> int:
     """How many ranges the direct pointer lists would hold (``CopyPlan.pointer_lists``)."""
     total = 0
-    rows_of: dict[int, int] = {}  # segments of one KV group share their runs: count once
+    # Segments of one KV group share one runs object: its row count is summed once, then
+    # added for each segment that uses it.
+    rows_of: dict[int, int] = {}
     for g in plan.segments:
         runs = g.runs
         seg_bytes = g.seg.shape[1]
