@@ -15,11 +15,15 @@ the Triton kernel ``store_prefill_checkpoint``). The CPU chunk-scan op ignores
 (every prompt longer than one block, with ``mamba_cache_mode="align"``) dies in
 ``mamba_mixer2.py`` with ``IndexError: index N is out of bounds for dimension 0 with size 1``.
 
-The fix: on the CPU platform only, wrap ``MambaMixer2.get_kv_cache_spec`` so the spec carries no
-prefill checkpoint blocks. The scheduler then falls back to plain align mode: every prefill
-chunk ends on a block boundary, and the state at a chunk end is exactly the cached state, which
-the CPU kernels do produce. Other Mamba-type layers (GDN, short-conv, ...) do not advertise
-checkpoint blocks and are left alone; GPU platforms are never touched.
+The fix: on the CPU platform only, give the mixer both missing pieces
+(``cpu_mamba2_checkpoints``: a chunk scan that returns the states the mixer reads, and a torch
+``store_prefill_checkpoint``), so the promise holds and CPU engines schedule prefills as GPU
+engines do. Where that cannot be installed (a vLLM whose internals moved), or with
+``HIMAMBA_CPU_MAMBA2_CHECKPOINTS=0``, the spec loses its checkpoint blocks instead: the
+scheduler falls back to plain align mode, every prefill chunk ends on a block boundary (one
+step more for a prompt whose last chunk crosses one), and the state at a chunk end is exactly
+the cached state, which the CPU kernels do produce. Other Mamba-type layers (GDN, short-conv,
+...) do not advertise checkpoint blocks and are left alone; GPU platforms are never touched.
 
 Rotary embedding of 3-D query/key (LFM2 / ShortConv hybrids)
 ------------------------------------------------------------
@@ -93,6 +97,7 @@ _Spec = TypeVar("_Spec")
 logger = logging.getLogger("vllm.himamba.cpu_compat")
 
 ENV_DISABLE = "HIMAMBA_CPU_COMPAT"
+ENV_NO_CHECKPOINTS = "HIMAMBA_CPU_MAMBA2_CHECKPOINTS"
 MIXER2_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
 ROPE_MODULE = "vllm.model_executor.layers.rotary_embedding.base"
 _PATCH_FLAG = "_himamba_cpu_compat"
@@ -100,7 +105,7 @@ _PATCH_FLAG = "_himamba_cpu_compat"
 
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group ``himamba_cpu_compat``."""
-    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not _env_on(ENV_DISABLE):
         logger.debug("himamba cpu_compat disabled by %s", ENV_DISABLE)
         return
     try:
@@ -171,8 +176,13 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 def patch_mamba_mixer2() -> bool:
-    """Wrap ``MambaMixer2.get_kv_cache_spec``; return True when the wrapper is in place."""
+    """Make Mamba2's prefill checkpoints hold on CPU; return True when a fix is in place.
+
+    First choice: export the checkpoints (``cpu_mamba2_checkpoints``). Fallback: wrap
+    ``MambaMixer2.get_kv_cache_spec`` so the spec promises none.
+    """
     try:
+        from vllm.model_executor.layers.mamba import mamba_mixer2
         from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
         from vllm.v1.kv_cache_interface import MambaSpec
     except Exception as exc:
@@ -188,6 +198,8 @@ def patch_mamba_mixer2() -> bool:
         return False
     if getattr(original, _PATCH_FLAG, False):
         return True
+    if _env_on(ENV_NO_CHECKPOINTS) and _export_checkpoints(mamba_mixer2):
+        return True
 
     @functools.wraps(original)
     def get_kv_cache_spec(self: MambaMixer2, vllm_config: VllmConfig) -> KVCacheSpec | None:
@@ -199,6 +211,22 @@ def patch_mamba_mixer2() -> bool:
         "himamba cpu_compat: Mamba2 prefill checkpoint blocks disabled on CPU "
         "(prefill chunks stay block-aligned)"
     )
+    return True
+
+
+def _export_checkpoints(mixer2_module: ModuleType) -> bool:
+    """Install the CPU checkpoint export; False (logged) when this vLLM lacks its hooks."""
+    from himamba.connector.vllm_fixups import cpu_mamba2_checkpoints
+
+    try:
+        done = cpu_mamba2_checkpoints.install(mixer2_module)
+    except Exception as exc:
+        _log_once(f"Mamba2 CPU checkpoint export not installed ({exc!r})")
+        return False
+    if not done:
+        _log_once("this vLLM lacks the Mamba2 checkpoint hooks; checkpoint blocks disabled")
+        return False
+    logger.info("himamba cpu_compat: Mamba2 prefill checkpoints exported on CPU")
     return True
 
 
@@ -303,10 +331,28 @@ def is_rope_patched() -> bool:
 
 
 def is_patched() -> bool:
-    """True when ``MambaMixer2.get_kv_cache_spec`` carries this plugin's wrapper."""
+    """True when Mamba2's checkpoints are fixed on CPU: exported, or dropped from the spec."""
     from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 
-    return bool(getattr(MambaMixer2.__dict__.get("get_kv_cache_spec"), _PATCH_FLAG, False))
+    wrapped = getattr(MambaMixer2.__dict__.get("get_kv_cache_spec"), _PATCH_FLAG, False)
+    return bool(wrapped) or is_exporting_checkpoints()
+
+
+def _env_on(name: str) -> bool:
+    """A switch that is on unless set to 0 / false / no / off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def is_exporting_checkpoints() -> bool:
+    """True when Mamba2 prefill checkpoints are exported on CPU (the spec is left as is)."""
+    from vllm.model_executor.layers.mamba import mamba_mixer2
+
+    from himamba.connector.vllm_fixups import cpu_mamba2_checkpoints
+
+    spec_method = mamba_mixer2.MambaMixer2.__dict__.get("get_kv_cache_spec")
+    return cpu_mamba2_checkpoints.is_installed(mamba_mixer2) and not getattr(
+        spec_method, _PATCH_FLAG, False
+    )
 
 
 def _has_field(cls: type, name: str) -> bool:

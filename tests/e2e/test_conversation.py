@@ -98,8 +98,8 @@ def test_next_turns_hit_through_previous_output_from_storage_in_a_fresh_process(
 def test_prompt_sharing_the_first_3000_of_4000_tokens_hits_at_a_checkpoint(granite_model):
     a = prompt(71, 4000)
     b = a[:3000] + prompt(72, 1000)
-    # On CPU, Mamba states exist only at prefill-chunk ends: 512-token chunks put one at every
-    # checkpoint (on GPUs vLLM checkpoints inside a chunk).
+    # Mamba states exist only at prefill-chunk ends (and a prompt's last block boundary), on
+    # GPUs as on CPU: 512-token chunks put one at every checkpoint.
     common = {"model": str(granite_model), "max_model_len": LONG, "max_num_batched_tokens": 512}
     ref = run_scenario("baseline", {**common, "prompts": [b]})
     got = run_scenario(

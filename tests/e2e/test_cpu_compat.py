@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.harness.prefill_steps import record_prefill_chunks
 from tests.harness.subprocess_run import child_env
 
 PROMPT_LEN = 1000  # > one 128-token Mamba block, and not a multiple of it
@@ -73,15 +74,26 @@ def test_granite_long_prompt_crashes_without_plugin(granite_model: Path) -> None
 
 
 @pytest.mark.e2e
-def test_granite_prefix_cache_hit_is_exact_with_plugin(granite_model: Path) -> None:
-    res = _run_engine(granite_model, plugins=True)
+@pytest.mark.parametrize("export", [True, False], ids=["checkpoints-exported", "spec-fallback"])
+def test_granite_prefix_cache_hit_is_exact_with_plugin(granite_model: Path, export: bool) -> None:
+    """With the plugin the prompt is computed in one step as on a GPU (its state at the last
+    block boundary saved from inside the chunk), and the hit on that state is exact; with
+    the checkpoint export switched off the spec promises no checkpoints and the prompt takes
+    a second step to the boundary, still exact."""
+    env = {} if export else {"HIMAMBA_CPU_MAMBA2_CHECKPOINTS": "0"}
+    res = _run_engine(granite_model, plugins=True, extra_env=env)
     assert res["rc"] == 0, _fail_text(res)
     spec, out = res["spec"], res["result"]
     assert spec["patched"]
     assert spec["mamba"]["layer_types"] == ["MambaMixer2"]
-    assert spec["mamba"]["num_prefill_checkpoint_blocks"] == 0
+    assert spec["mamba"]["num_prefill_checkpoint_blocks"] == (1 if export else 0)
+    block = spec["mamba"]["block_size"]
+    boundary = (PROMPT_LEN - 1) // block * block
     assert out["first"]["num_cached_tokens"] == 0
-    assert out["second"]["num_cached_tokens"] > 0
+    want_chunks = [PROMPT_LEN] if export else [boundary, PROMPT_LEN - boundary]
+    assert out["first"]["prefill_chunks"] == want_chunks
+    assert out["second"]["num_cached_tokens"] == boundary
+    assert out["second"]["prefill_chunks"] == [PROMPT_LEN - boundary]
     assert out["second"]["tokens"] == out["first"]["tokens"]
     assert len(set(out["first"]["tokens"])) > 4, "greedy output degenerated into a loop"
 
@@ -121,7 +133,8 @@ def test_register_is_noop_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_register_is_idempotent_and_env_switch_disables_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+    from vllm.model_executor.layers.mamba import mamba_mixer2
+    from vllm.model_executor.layers.mamba.ops import ssd_checkpoint, ssd_combined
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.platforms import current_platform
 
@@ -129,22 +142,63 @@ def test_register_is_idempotent_and_env_switch_disables_it(
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: True)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    targets = [(MambaMixer2, "get_kv_cache_spec"), (RotaryEmbedding, "forward_cpu")]
-    originals = [_unpatched(cls.__dict__[name]) for cls, name in targets]
-    for (cls, name), original in zip(targets, originals, strict=True):
-        monkeypatch.setattr(cls, name, original)  # restored on teardown
+    scan = ssd_combined._mamba_chunk_scan_combined_fwd
+    # (owner, name, vLLM's own object); each restored on teardown
+    targets = [
+        (RotaryEmbedding, "forward_cpu", _unpatched(RotaryEmbedding.__dict__["forward_cpu"])),
+        (ssd_combined, "_mamba_chunk_scan_combined_fwd", _unwrapped_scan(scan)),
+        (mamba_mixer2, "store_prefill_checkpoint", ssd_checkpoint.store_prefill_checkpoint),
+    ]
+    spec_method = _unpatched(mamba_mixer2.MambaMixer2.__dict__["get_kv_cache_spec"])
+    monkeypatch.setattr(mamba_mixer2.MambaMixer2, "get_kv_cache_spec", spec_method)
+    for owner, name, original in targets:
+        monkeypatch.setattr(owner, name, original)
 
+    def current() -> list[Any]:
+        return [vars(owner)[name] for owner, name, _ in targets]
+
+    originals = [original for _, _, original in targets]
     monkeypatch.setenv(cpu_compat.ENV_DISABLE, "0")
     cpu_compat.register()
-    assert [cls.__dict__[name] for cls, name in targets] == originals
+    assert current() == originals and not cpu_compat.is_patched()
 
     monkeypatch.delenv(cpu_compat.ENV_DISABLE)
     cpu_compat.register()
-    patched = [cls.__dict__[name] for cls, name in targets]
+    patched = current()
     assert all(p is not o for p, o in zip(patched, originals, strict=True))
     assert cpu_compat.is_patched() and cpu_compat.is_rope_patched()
+    assert cpu_compat.is_exporting_checkpoints()
+    # Exported checkpoints keep vLLM's promise: the spec method is vLLM's own.
+    assert mamba_mixer2.MambaMixer2.__dict__["get_kv_cache_spec"] is spec_method
     cpu_compat.register()
-    assert [cls.__dict__[name] for cls, name in targets] == patched
+    assert current() == patched
+
+
+def test_checkpoint_export_switched_off_drops_checkpoint_blocks_instead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.model_executor.layers.mamba import mamba_mixer2
+    from vllm.model_executor.layers.mamba.ops import ssd_checkpoint, ssd_combined
+
+    from himamba.connector.vllm_fixups import cpu_compat
+
+    scan = ssd_combined._mamba_chunk_scan_combined_fwd
+    monkeypatch.setattr(ssd_combined, "_mamba_chunk_scan_combined_fwd", _unwrapped_scan(scan))
+    monkeypatch.setattr(
+        mamba_mixer2, "store_prefill_checkpoint", ssd_checkpoint.store_prefill_checkpoint
+    )
+    spec_method = _unpatched(mamba_mixer2.MambaMixer2.__dict__["get_kv_cache_spec"])
+    monkeypatch.setattr(mamba_mixer2.MambaMixer2, "get_kv_cache_spec", spec_method)
+    monkeypatch.setenv(cpu_compat.ENV_NO_CHECKPOINTS, "0")
+
+    assert cpu_compat.patch_mamba_mixer2()
+    assert mamba_mixer2.store_prefill_checkpoint is ssd_checkpoint.store_prefill_checkpoint
+    assert mamba_mixer2.MambaMixer2.__dict__["get_kv_cache_spec"] is not spec_method
+    assert cpu_compat.is_patched() and not cpu_compat.is_exporting_checkpoints()
+
+
+def _unwrapped_scan(fn: Any) -> Any:
+    return getattr(fn, "__wrapped__", fn)
 
 
 def _unpatched(fn: Any) -> Any:
@@ -312,10 +366,9 @@ def test_missing_vllm_method_logs_and_skips(
 
 
 def _spec_summary(llm: Any) -> dict[str, Any]:
-    from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from himamba.connector.vllm_fixups.cpu_compat import _PATCH_FLAG
+    from himamba.connector.vllm_fixups.cpu_compat import _PATCH_FLAG, is_patched
 
     core = llm.llm_engine.engine_core.engine_core
     kv_cfg = core.scheduler.kv_cache_config
@@ -350,7 +403,7 @@ def _spec_summary(llm: Any) -> dict[str, Any]:
                 "dtypes": [str(d) for d in spec.dtypes],
             }
     return {
-        "patched": bool(getattr(MambaMixer2.__dict__["get_kv_cache_spec"], _PATCH_FLAG, False)),
+        "patched": is_patched(),
         "num_blocks": kv_cfg.num_blocks,
         "groups": groups,
         "mamba": mamba,
@@ -378,13 +431,16 @@ def _child_main(args: dict[str, Any]) -> None:
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
     prompt = {"prompt_token_ids": _prompt(args["prompt_len"])}
+    chunks = record_prefill_chunks(llm)  # tokens per step while a prompt is computed
     result = {}
     for name in ("first", "second"):
         t = time.perf_counter()
+        chunks.clear()
         (out,) = llm.generate([prompt], params, use_tqdm=False)
         result[name] = {
             "tokens": list(out.outputs[0].token_ids),
             "num_cached_tokens": out.num_cached_tokens,
+            "prefill_chunks": list(chunks),
             "seconds": round(time.perf_counter() - t, 3),
         }
     print("RESULT " + json.dumps(result), flush=True)
