@@ -241,10 +241,14 @@ class CountingTwin(TwinMachine):
         TRUSTED["n"] += self.trusted
 
 
+# Derandomized, as the property machine is: the counts below are asserted, and a random draw
+# fell short of them once in CI (GROWN 27 of 30) with nothing wrong in the tree.
 CountingTwin.TestCase.settings = settings(
     max_examples=400,
     stateful_step_count=30,
     deadline=None,
+    derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_cursor_never_changes_the_tree = CountingTwin.TestCase
