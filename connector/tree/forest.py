@@ -7,14 +7,34 @@ a node by position and must follow a reshape: the pending-store maps (slot -> no
 the set of nodes a reset condemned, the node count and the queue of split halves that the
 maintenance pass must revalidate. It knows nothing about tiers' meaning, slots' bytes or
 eviction order.
+
+A reset sets every partition's remaining subtree (only held nodes keep content then) aside
+under a ``Retired`` key that no caller can name: lookups and new stores of the same hashes
+start from a fresh root, so a store committed after a reset is never dropped with the
+pre-reset path it would otherwise have landed in, and the set-aside nodes go when released.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import pairwise, repeat
 
 from .node import PENDING, Node, common_prefix
+
+
+@dataclass(frozen=True)
+class Retired:
+    """The key (and every node's ``partition``) of a subtree a reset set aside: equal to no
+    caller's partition, so nothing reaches it but what already held its nodes."""
+
+    partition: Hashable
+    number: int
+
+
+def is_retired(x: Node) -> bool:
+    """Whether ``x`` was set aside by a reset (its content is never served again)."""
+    return x.partition.__class__ is Retired
 
 
 class Forest:
@@ -30,8 +50,9 @@ class Forest:
         self._pending_kv: dict[int, tuple[Node, int]] = {}
         self._runs: list[tuple[Node, int, list[int]]] = []
         self.pending_mamba: dict[int, Node] = {}
-        # Held nodes that a reset() condemned: never matched, dropped when released.
+        # Held nodes that a reset() condemned: set aside (``retire``), dropped when released.
         self.doomed: set[Node] = set()
+        self.retirements = 0
         # Split tails whose pieces may have stopped being held: revalidated before the
         # public call returns (``Maintenance.flush``).
         self.dirty: list[Node] = []
@@ -216,6 +237,24 @@ class Forest:
                         pending[slots[i]] = (part, i)
         self.dirty.append(node)
         return heads
+
+    def retire(self) -> list[Node]:
+        """Set every live partition's subtree aside under a new ``Retired`` key (a reset,
+        once everything unheld is gone); return the nodes set aside now, roots excluded."""
+        moved: list[Node] = []
+        for key in [k for k in self.roots if k.__class__ is not Retired]:
+            root = self.roots.pop(key)
+            self.retirements += 1
+            tag = Retired(key, self.retirements)
+            root.partition = tag
+            stack = list(root.child_nodes())
+            while stack:
+                x = stack.pop()
+                x.partition = tag
+                moved.append(x)
+                stack.extend(x.child_nodes())
+            self.roots[tag] = root
+        return moved
 
     def detach(self, x: Node) -> Node:
         """Unlink the leaf ``x``; return its former parent (an emptied root goes too)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .eviction import QUEUED, kv_evictable, mamba_evictable, trimmable
+from .forest import Retired, is_retired
 from .node import ALL_TIERS, GPU, HOST, LOADABLE, NO_SLOT, PENDING, Node
 
 if TYPE_CHECKING:
@@ -55,6 +56,15 @@ def check_invariants(tree: HybridRadixTree) -> None:
             stack.extend((c, x, child_live) for c in x.child_nodes())
     for x in forest.doomed:
         _check(x.parent is not None and x.held, "reset", f"doomed node not held/attached {x}")
+        # Unreachable by any lookup or store: a reset set its subtree aside.
+        _check(is_retired(x), "reset", f"doomed node still under a live root {x}")
+    for key, root in forest.roots.items():
+        if key.__class__ is Retired:  # only what was held at the reset keeps content there
+            stack = list(root.child_nodes())
+            while stack:
+                x = stack.pop()
+                _check(x.held or not (x.n_live or x.mamba), "reset", f"set-aside content {x}")
+                stack.extend(x.child_nodes())
     _check(len(nodes) == forest.num_nodes, "size-accounting", (len(nodes), forest.num_nodes))
     _check_pools_and_pending(tree, nodes)
     _check_lru(tree, nodes)

@@ -69,7 +69,6 @@ def longest_hit(
     """``HybridRadixTree.match`` with ``limit`` resolved (at most ``len(hashes)``): the walk
     of every lookup, so it keeps its locals in the loop and reads each node once."""
     res = MatchResult(0, start_block, partition)
-    doomed = forest.doomed
     node = forest.roots.get(partition)
     if node is None:
         counters.misses += 1
@@ -93,8 +92,6 @@ def longest_hit(
         elif kids.hashes[0] == h:  # type: ignore[union-attr]
             child = kids  # type: ignore[assignment]
         else:
-            break
-        if doomed and child in doomed:
             break
         ch = child.hashes
         size = len(ch)

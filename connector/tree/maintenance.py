@@ -23,7 +23,7 @@ from typing import Any
 
 from .counters import TreeCounters
 from .eviction import EvictionPolicy, kv_evictable
-from .forest import Forest
+from .forest import Forest, is_retired
 from .node import HOST, NO_SLOT, Node
 from .slot_allocator import SlotAllocator
 
@@ -50,7 +50,7 @@ class Maintenance:
         """Drop every tier of blocks ``node[first:]``, the state at its end and the whole
         subtree, except what is held. Returns the number of host KV slots freed."""
         freed = 0
-        doomed, policy, obs = self.forest.doomed, self.policy, self.observer
+        doomed, policy = self.forest.doomed, self.policy
         stack, seen = [(node, first)], []
         while stack:
             x, i = stack.pop()
@@ -58,6 +58,8 @@ class Maintenance:
             if not x.held:
                 if not i and doomed:
                     doomed.discard(x)  # all of it goes now: the reset is carried out
+                # Set aside by a reset: announced gone then (a fresh path may hold its hashes).
+                obs = None if is_retired(x) else self.observer
                 flags = x.flags
                 for j in range(i, len(flags) if x.n_live else i):
                     f = flags[j]

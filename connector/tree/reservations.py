@@ -23,7 +23,7 @@ from typing import Any
 
 from .counters import TreeCounters
 from .eviction import EvictionPolicy
-from .forest import Forest
+from .forest import Forest, is_retired
 from .host_eviction import HostEviction
 from .maintenance import Maintenance
 from .node import COMMIT, GPU, HOST, NO_SLOT, PENDING, ROLLBACK, Node
@@ -262,7 +262,7 @@ class Reservations:
             for node, first, run_slots in runs:
                 end = first + len(run_slots)
                 node.retag(first, end, COMMIT)
-                if obs is not None:
+                if obs is not None and not is_retired(node):
                     for h in node.hashes[first:end]:
                         obs.host_kv(True, h)
                 run_nodes[id(node)] = node
@@ -278,9 +278,9 @@ class Reservations:
                 if entry is not None:
                     entry[0].set_slot(entry[1], NO_SLOT)
                     self.kv_slots.free(slot)
-        elif obs is not None:
+        elif obs is not None:  # a reset's set-aside nodes are silent (``tree.reset``)
             for entry in entries:
-                if entry is not None:
+                if entry is not None and not is_retired(entry[0]):
                     obs.host_kv(True, entry[0].hashes[entry[1]])
         # A plan lists a run's blocks together: their flags move in one pass per run.
         table = COMMIT if ok else ROLLBACK
@@ -304,7 +304,7 @@ class Reservations:
             if ok:
                 mnode.mamba |= HOST
                 self.policy.sync_mamba(mnode, touch=True)
-                if obs is not None:
+                if obs is not None and not is_retired(mnode):
                     obs.host_state(True, mnode.hashes[-1])
             else:
                 mnode.mamba_slot = NO_SLOT

@@ -292,13 +292,27 @@ class HybridRadixTree:
 
     def reset(self) -> None:
         """Forget every tier of every block (e.g. new weights): what is not held goes now;
-        held nodes stop matching and go when released, so in-flight loads and stores stay
-        safe and nothing cached before the reset is ever served after it."""
+        held nodes are set aside (``Forest.retire``) and go when released, so in-flight loads
+        and stores stay safe, nothing cached before the reset is ever served after it, and
+        the same prefix stored after it grows a fresh path instead of joining theirs.
+
+        The observer hears of the set-aside host blocks and states now (no request can reach
+        them any more) and of nothing in them later: a fresh path may hold the same hashes."""
         for root in list(self.forest.roots.values()):
             for child in list(root.child_nodes()):
                 if child.parent is not None:
                     self.maint.kill_from(child, 0)
         self.forest.doomed.update(x for x in self.forest.iter_nodes() if x.held)
+        moved = self.forest.retire()
+        obs = self.observer
+        if obs is not None:
+            for x in moved:
+                if x.n_host:
+                    for h, f in zip(x.hashes, x.flags, strict=True):
+                        if f & HOST:
+                            obs.host_kv(False, h)
+                if x.mamba & HOST:
+                    obs.host_state(False, x.hashes[-1])
         self._finish()
 
     # ------------------------------------------------------------------ GPU / storage mirror

@@ -67,6 +67,14 @@ def chain(tokens: list[int], salted: bool) -> list[bytes]:
 Locked = tuple[LockHandle, list[bytes], object, int, int, list[int], int]
 
 
+def block_at(node: object, b: int) -> tuple[object, int]:
+    """The node on ``node``'s path (it or an ancestor) holding block ``b``, and the index."""
+    x = node
+    while x.start > b:  # type: ignore[attr-defined]
+        x = x.parent  # type: ignore[attr-defined]
+    return x, b - x.start  # type: ignore[attr-defined]
+
+
 class TreeMachine(RuleBasedStateMachine):
     stored = Bundle("stored")
 
@@ -383,14 +391,16 @@ class TreeMachine(RuleBasedStateMachine):
         STEPS["n"] += 1
         check_invariants(self.tree)
         self._check_journal_and_quarantine()
-        for _h, hashes, part, start, n, slots, mslot in self.locked:
+        for h, hashes, _part, start, n, slots, mslot in self.locked:
+            # Walked up from the locked node, not located from the root: a reset sets the
+            # locked path aside, where no lookup reaches it, but it must stay put there too.
             for j, s in enumerate(slots):
                 if s != NO_SLOT:  # locked / pinned host KV stays exactly where it was
-                    found = self.tree.forest.locate(hashes, part, start + j + 1)
-                    assert found is not None and found[0].slot(found[1]) == s
+                    x, i = block_at(h.kv_node, start + j)
+                    assert x.hashes[i] == hashes[start + j] and x.slot(i) == s
             if mslot != NO_SLOT:
-                found = self.tree.forest.locate(hashes, part, n)
-                assert found is not None and found[0].mamba_slot == mslot
+                assert h.mamba_node is not None and h.mamba_node.end == n
+                assert h.mamba_node.mamba_slot == mslot
 
     def teardown(self) -> None:
         for h, *_ in self.locked:
