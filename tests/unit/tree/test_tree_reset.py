@@ -9,6 +9,7 @@ kept a new store of the same prefix out altogether."""
 from __future__ import annotations
 
 from himamba.connector.tree import HOST, HybridRadixTree, StoreCursor, check_invariants
+from himamba.connector.tree.forest import is_retired
 from tests.unit.tree.tree_helpers import chain, store
 
 
@@ -39,7 +40,7 @@ def host_view(tree: HybridRadixTree) -> tuple[set[bytes], set[bytes]]:
     """The hashes a lookup can reach on host (set-aside subtrees excluded)."""
     kv, states = set(), set()
     for x in tree.forest.iter_nodes():
-        if x.partition.__class__.__name__ == "Retired":
+        if is_retired(x):
             continue
         kv.update(h for h, f in zip(x.hashes, x.flags, strict=True) if f & HOST)
         if x.mamba & HOST:
