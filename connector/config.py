@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from himamba.tiers.config_fields import flag, number
+from himamba.tiers.config_fields import LARGEST, flag, number
 
 _GIB = 1 << 30
 
@@ -86,8 +86,10 @@ class HiMambaConfig:
         return cfg
 
     def validate(self) -> None:
-        if not self.cpu_cache_gb > 0:
-            raise ConfigError(f"himamba: cpu_cache_gb must be > 0, got {self.cpu_cache_gb!r}")
+        if not 0 < self.cpu_cache_gb <= LARGEST:  # also when built directly, not parsed
+            raise ConfigError(
+                f"himamba: cpu_cache_gb must be > 0 and <= 1e9, got {self.cpu_cache_gb!r}"
+            )
         if not 0.0 < self.mamba_cache_fraction < 1.0:
             raise ConfigError(
                 "himamba: mamba_cache_fraction must be in (0, 1), "

@@ -23,6 +23,12 @@ def installed(module: str) -> bool:
         return False
 
 
+# No field means more than this (GiB, seconds, tokens, counts): a larger value would overflow
+# a byte count (int(inf)) or a thread's timeout (threading.TIMEOUT_MAX ~9.2e9 s) later, far
+# from the key that caused it.
+LARGEST = 1e9
+
+
 def _fail(where: str, key: str, what: str) -> ValueError:
     return ValueError(f"{where}{key}: {what}")
 
@@ -45,6 +51,8 @@ def number(
         raise _fail(where, key, f"expected a number, got {value!r}") from None
     if math.isnan(number):
         raise _fail(where, key, f"expected a number, got {value!r}")
+    if not -LARGEST <= number <= LARGEST:  # inf ("Infinity" in JSON, ".inf" in YAML) too
+        raise _fail(where, key, f"expected a finite number between -1e9 and 1e9, got {value!r}")
     if whole:
         if number != int(number):
             raise _fail(where, key, f"expected an integer, got {value!r}")

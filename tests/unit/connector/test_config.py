@@ -35,6 +35,12 @@ def test_string_and_int_values_from_json_are_coerced():
         ({"min_load_tokens": 1.5}, "min_load_tokens"),
         ({"store_decode_blocks": "maybe"}, "store_decode_blocks"),
         ({"storage": "file:///x"}, "storage"),
+        # JSON's Infinity, YAML's .inf or a huge number: overflowed a byte count at start-up
+        # (OverflowError, no key named) before numbers were bounded.
+        ({"cpu_cache_gb": float("inf")}, "cpu_cache_gb: expected a finite"),
+        ({"cpu_cache_gb": "1e308"}, "cpu_cache_gb: expected a finite"),
+        ({"checkpoint_interval_tokens": float("inf")}, "checkpoint_interval_tokens"),
+        ({"min_load_tokens": "-inf"}, "min_load_tokens"),
     ],
 )
 def test_bad_values_are_rejected_with_the_key_named(extra, key):
@@ -85,3 +91,11 @@ def test_partial_tails_turn_off_where_a_finished_count_is_not_what_blocks_hold(c
     assert sum("partial_tail_hits turned off" in r.message for r in caplog.records) == 2
     off = HiMambaConfig.from_extra_config({})
     assert partial_tails_allowed(vllm(True), off) is off
+
+
+def test_a_config_built_directly_is_bounded_too():
+    """Code that builds the dataclass itself skips the parsing: ``validate`` still refuses a
+    tier whose byte count would not fit."""
+    with pytest.raises(ConfigError, match="cpu_cache_gb"):
+        HiMambaConfig(cpu_cache_gb=float("inf")).validate()
+    assert HiMambaConfig(cpu_cache_gb=1e9).cpu_cache_bytes == 1_000_000_000 << 30

@@ -33,6 +33,12 @@ from himamba.tiers.storage_config import StorageConfig, prefetch_deadline_s
             {"url": "/x", "prefetch_threshold_tokens": -1},
             "storage.prefetch_threshold_tokens: must be >= 0",
         ),
+        # Infinite or huge numbers (JSON "Infinity", YAML ".inf", "1e999" over the control RPC)
+        # would overflow a byte count or a thread's timeout later, away from their key.
+        ({"url": "/x", "capacity_gb": float("inf")}, "storage.capacity_gb: expected a finite"),
+        ({"url": "/x", "op_deadline_s": "inf"}, "storage.op_deadline_s: expected a finite"),
+        ({"url": "/x", "probe_interval_s": 1e10}, "storage.probe_interval_s: expected a finite"),
+        ({"url": "/x", "write_threshold": "1e999"}, "storage.write_threshold: expected a finite"),
         ({"url": "/x", "checksum": "xxh3"}, "storage.checksum: 'xxh3' is not one of xxh3_128"),
         ({"url": "/x", "checksum": None}, "storage.checksum: None is not one of"),
         (
