@@ -226,8 +226,6 @@ class Forest:
         pending = self.pending_kv  # enters waiting runs now: rewritten below, not after
         heads = node.split_at(cuts)
         self.num_nodes += len(heads)
-        if self.doomed and node in self.doomed:  # every piece holds pre-reset content
-            self.doomed.update(heads)
         for part in (*heads, node):
             if part.n_pend:
                 slots = part.slots

@@ -34,6 +34,7 @@ def check_invariants(tree: HybridRadixTree) -> None:
     _check(not forest.dirty, "settled", "split halves left unsettled after a call")
     # --- children map, lengths, partitions (sglang note §2 items 4, 5)
     for key, root in forest.roots.items():
+        retired = key.__class__ is Retired  # only what was held at the reset keeps content
         _check(root.parent is None and not root.hashes, "root", root)
         _check(root.partition == key, "partition", (key, root.partition))
         _check(root.kids is not None, "no-empty-root", key)
@@ -52,19 +53,14 @@ def check_invariants(tree: HybridRadixTree) -> None:
             _check(len(x.flags) == len(x.hashes), "lengths", "flags")
             _check(x.slots is None or len(x.slots) == len(x.hashes), "lengths", "slots")
             _check_node(x, prefix_live)
+            if retired:
+                _check(x.held or not (x.n_live or x.mamba), "reset", f"set-aside content {x}")
             child_live = prefix_live and x.n_live == len(x.hashes)
             stack.extend((c, x, child_live) for c in x.child_nodes())
     for x in forest.doomed:
         _check(x.parent is not None and x.held, "reset", f"doomed node not held/attached {x}")
         # Unreachable by any lookup or store: a reset set its subtree aside.
         _check(is_retired(x), "reset", f"doomed node still under a live root {x}")
-    for key, root in forest.roots.items():
-        if key.__class__ is Retired:  # only what was held at the reset keeps content there
-            stack = list(root.child_nodes())
-            while stack:
-                x = stack.pop()
-                _check(x.held or not (x.n_live or x.mamba), "reset", f"set-aside content {x}")
-                stack.extend(x.child_nodes())
     _check(len(nodes) == forest.num_nodes, "size-accounting", (len(nodes), forest.num_nodes))
     _check_pools_and_pending(tree, nodes)
     _check_lru(tree, nodes)

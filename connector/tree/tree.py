@@ -302,8 +302,10 @@ class HybridRadixTree:
             for child in list(root.child_nodes()):
                 if child.parent is not None:
                     self.maint.kill_from(child, 0)
-        self.forest.doomed.update(x for x in self.forest.iter_nodes() if x.held)
         moved = self.forest.retire()
+        # Held nodes of an earlier reset's subtrees are condemned already (nothing can reach
+        # them to take a new hold): only the nodes set aside now join them.
+        self.forest.doomed.update(x for x in moved if x.held)
         obs = self.observer
         if obs is not None:
             for x in moved:
