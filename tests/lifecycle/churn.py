@@ -264,10 +264,18 @@ class ChurnVariant:
     # holds everything the 48-slot tier does and host hits (what selective write-through
     # counts) never happen; 96 also preempts now and then.
     num_gpu_blocks: int = 96
+    # `partial_tail_hits`: finished requests' last partial blocks and states are kept, and the
+    # workload's conversation turns (a finished request's prompt and answer plus a new message)
+    # hit through them, inside a block.
+    partial_tails: bool = False
+    conversation_share: float = 0.0
 
     @property
     def name(self) -> str:
-        return self.write_policy + ("+async" if self.async_scheduling else "")
+        tags = ("+async" if self.async_scheduling else "") + (
+            "+tails" if self.partial_tails else ""
+        )
+        return self.write_policy + tags
 
 
 @dataclass
@@ -290,6 +298,14 @@ class ChurnReport:
     audit_seconds: float = 0.0
     leaks: list[str] = field(default_factory=list)
 
+    def tails(self) -> dict[str, int]:
+        """Next turns sent and the connector's partial-tail counters."""
+        stats = self.result.connector_stats if self.result else {}
+        out = {"next_turns": self.result.next_turns if self.result else 0}
+        for name in ("tails_stored", "tail_hits", "storage_tails_seen"):
+            out[name] = int(stats.get(name, 0))
+        return out
+
     def line(self) -> str:
         r = self.result
         rate = r.requests / r.seconds if r and r.seconds else 0.0
@@ -300,7 +316,7 @@ class ChurnReport:
             f"errors {r.errors if r else '?'}; slots {self.capacities}; hits {self.hits}; "
             f"actions {dict(self.churn.actions) if self.churn else {}}, resets "
             f"{dict(self.churn.resets) if self.churn else {}}, weight updates "
-            f"{self.churn.weight_updates if self.churn else 0}; plans "
+            f"{self.churn.weight_updates if self.churn else 0}; tails {self.tails()}; plans "
             f"{self.plans.summary() if self.plans else {}}; storage "
             f"{self.storage.summary() if self.storage else {}}; faults {self.faults}; "
             f"checked rows {self.rows_checked} states {self.states_checked} requests "
@@ -314,13 +330,17 @@ def churn_connector_config(
     write_policy: str,
     kv_slots: int = CHURN_KV_SLOTS,
     mamba_slots: int = CHURN_MAMBA_SLOTS,
+    partial_tails: bool = False,
 ) -> dict[str, Any]:
     gb, fraction = cpu_cache_for_slots(kv_slots, mamba_slots, KV_SLOT_BYTES, MAMBA_SLOT_BYTES)
-    return {
+    config: dict[str, Any] = {
         "cpu_cache_gb": gb,
         "mamba_cache_fraction": fraction,
         "storage": {"url": store_url, **churn_storage_section(write_policy)},
     }
+    if partial_tails:
+        config["partial_tail_hits"] = True
+    return config
 
 
 def churn_storage_section(write_policy: str) -> dict[str, Any]:
@@ -381,7 +401,11 @@ def run_churn_soak(
             max_model_len=512,
             async_scheduling=variant.async_scheduling,
             connector_config=churn_connector_config(
-                f"file://{dirs[0]}", variant.write_policy, variant.kv_slots, variant.mamba_slots
+                f"file://{dirs[0]}",
+                variant.write_policy,
+                variant.kv_slots,
+                variant.mamba_slots,
+                variant.partial_tails,
             ),
         )
         layout = engine.connector.layout
@@ -405,6 +429,7 @@ def run_churn_soak(
                     live_requests=variant.live_requests,
                     salted_share=0.05,
                     abort_rate=0.02 * on,
+                    conversation_share=variant.conversation_share,
                 ),
                 lost_acks=lost if faults else None,
                 churn=churn,

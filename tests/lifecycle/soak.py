@@ -44,6 +44,11 @@ class SoakPlan:
     # Share of requests with a cache salt (one of ``salts``): same tokens, other bytes.
     salted_share: float = 0.0
     salts: tuple[str, ...] = ("tenant-a", "tenant-b")
+    # Share of requests that are a conversation's next turn: a finished request's prompt and
+    # answer plus a new message (what partial tails hit through), under the same salt.
+    conversation_share: float = 0.0
+    conversations_kept: int = 256  # finished requests a next turn may continue
+    conversation_max_tokens: int = 320  # longer ones are not continued (max_model_len 512)
 
 
 @dataclass
@@ -55,6 +60,7 @@ class SoakResult:
     steps: int = 0
     seconds: float = 0.0
     max_tree_nodes: int = 0
+    next_turns: int = 0  # requests that continued a finished one (conversation_share)
     tree_nodes_end: int = 0
     connector_stats: dict[str, Any] = field(default_factory=dict)
 
@@ -69,6 +75,35 @@ def _document(rng: random.Random, plan: SoakPlan) -> int:
     if r < plan.hot_share + plan.warm_share:
         return plan.hot_documents + rng.randrange(plan.warm_documents)
     return rng.randrange(plan.num_documents)
+
+
+@dataclass
+class Conversations:
+    """Finished requests a next turn may continue: (prompt + answer, cache salt)."""
+
+    plan: SoakPlan
+    turns: list[tuple[list[int], str | None]] = field(default_factory=list)
+    continued: int = 0
+
+    def finished(self, engine: LifecycleEngine, rid: str) -> None:
+        rec = engine.records[rid]
+        if getattr(rec.finish, "name", None) not in ("LENGTH", "STOP"):
+            return
+        tokens = rec.prompt + rec.output
+        if len(tokens) > self.plan.conversation_max_tokens:
+            return
+        if len(self.turns) >= self.plan.conversations_kept:
+            self.turns.pop(0)
+        self.turns.append((tokens, rec.cache_salt))
+
+    def next_turn(self, rng: random.Random) -> tuple[list[int], str | None] | None:
+        if not self.plan.conversation_share or not self.turns:
+            return None
+        if rng.random() >= self.plan.conversation_share:
+            return None
+        self.continued += 1
+        tokens, salt = self.turns[rng.randrange(len(self.turns))]
+        return list(tokens), salt
 
 
 def tree_nodes(engine: LifecycleEngine) -> int:
@@ -88,6 +123,7 @@ def run_soak(
     abort_at: dict[int, list[str]] = {}
     live: set[str] = set()
     next_id = 0
+    talks = Conversations(plan)
     arm_every = max(1, plan.num_requests // (plan.lost_acks + 1))
     start = time.monotonic()
     while next_id < plan.num_requests or live:
@@ -96,16 +132,20 @@ def run_soak(
             and len(live) < plan.live_requests
             and (churn is None or churn.may_admit())
         ):
-            d = _document(rng, plan)
-            if d not in docs:
-                docs[d] = prompt_of(10_000 + d, rng.randint(*plan.doc_blocks) * bs)
-            prompt = docs[d] + prompt_of(rng.randrange(1 << 30), rng.randint(*plan.suffix_tokens))
+            turn = talks.next_turn(rng)
+            if turn is None:
+                d = _document(rng, plan)
+                if d not in docs:
+                    docs[d] = prompt_of(10_000 + d, rng.randint(*plan.doc_blocks) * bs)
+                head, salt = docs[d], None
+            else:
+                head, salt = turn
+            prompt = head + prompt_of(rng.randrange(1 << 30), rng.randint(*plan.suffix_tokens))
+            if turn is None and plan.salted_share and rng.random() < plan.salted_share:
+                salt = rng.choice(plan.salts)
             if lost_acks is not None and next_id and next_id % arm_every == 0:
                 lost_acks.arm(1)
             rid = f"s{next_id}"
-            salt = None
-            if plan.salted_share and rng.random() < plan.salted_share:
-                salt = rng.choice(plan.salts)
             engine.add_request(
                 rid, prompt, max_tokens=rng.randint(*plan.max_tokens), cache_salt=salt
             )
@@ -119,6 +159,7 @@ def run_soak(
                 engine.abort([rid])
         for rid in [r for r in live if engine.records[r].finish is not None]:
             live.discard(rid)
+            talks.finished(engine, rid)
         if churn is not None:
             churn.after_step(live)
         if engine.steps % plan.node_sample_every == 0:
@@ -132,6 +173,7 @@ def run_soak(
         result.finished += reason in ("LENGTH", "STOP")
         result.aborted += reason == "ABORT"
         result.errors += reason == "ERROR"
+    result.next_turns = talks.continued
     result.tree_nodes_end = tree_nodes(engine)
     result.max_tree_nodes = max(result.max_tree_nodes, result.tree_nodes_end)
     result.connector_stats = dict(engine.connector.stats())

@@ -21,6 +21,12 @@ class _Prefix:
     tokens: np.ndarray  # uint32, the request's tokens (shared by all its blocks)
     index: int  # block index: the hash names tokens[: (index + 1) * block_size]
     salt: str | None
+    # A partial tail (scheduler.tails): the name covers tokens[: index * block_size + tail],
+    # its page's first `tail` rows are the prefix's and the rest is never read.
+    tail: int = 0
+
+    def length(self, block_size: int) -> int:
+        return self.index * block_size + self.tail if self.tail else (self.index + 1) * block_size
 
 
 class PrefixOracle:
@@ -50,13 +56,30 @@ class PrefixOracle:
             if tokens is None:
                 tokens = np.asarray(list(request.all_token_ids), dtype=np.uint32)
             self.hashes[h] = _Prefix(tokens, i, request.cache_salt)
+        self._note_tail(request)
+
+    def _note_tail(self, request: Any) -> None:
+        """The name a partial tail of ``request`` gets (whether or not the connector kept one:
+        an unknown name in storage is a problem either way)."""
+        from himamba.connector.scheduler.tails import tail_hash
+
+        bs = self.block_size
+        p, length = divmod(request.num_computed_tokens, bs)
+        if not p or not length or len(request.block_hashes) < p:
+            return
+        ids = list(request.all_token_ids)
+        name = tail_hash(bytes(request.block_hashes[p - 1]), ids[p * bs : p * bs + length])
+        if name not in self.hashes:
+            self.hashes[name] = _Prefix(
+                np.asarray(ids, dtype=np.uint32), p, request.cache_salt, length
+            )
 
     def chain(self, block_hash: bytes, model_epoch: int) -> tuple[TokenChain, int] | None:
         """The digest chain of the prefix ``block_hash`` names, and that prefix's length."""
         p = self.hashes.get(block_hash)
         if p is None:
             return None
-        n = (p.index + 1) * self.block_size
+        n = p.length(self.block_size)
         chain = TokenChain(self.block_size, salt_seed(p.salt, model_epoch))
         chain.append([int(t) for t in p.tokens[:n]])
         return chain, n
@@ -114,24 +137,39 @@ def _layer_indices(engine: LifecycleEngine) -> dict[str, int]:
 
 def expected_payload(
     engine: LifecycleEngine, chain: TokenChain, n: int, kind: int, rank: int
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """The bytes the stand-in runner computes for the object of kind ``kind`` that names the
     prefix of ``n`` tokens: per layer (layout order) the block's attention rows, or the Mamba
-    state after exactly ``n`` tokens."""
+    state after exactly ``n`` tokens; and which of them are read (a partial tail's page holds
+    ``n % block_size`` rows of its prefix, the rest is never read)."""
     layout = engine.connector.layout
     model, bs = engine.model, engine.kv.block_size
     index = _layer_indices(engine)
-    parts = []
+    parts, read = [], []
     groups = layout.attention if kind == KV_KIND else layout.mamba
+    start = (n - 1) // bs * bs
     for g in groups:
         for name in g.layer_names:
             if kind == KV_KIND:
-                part = model.attention_rows(chain, n - bs, n, index[name], rank).reshape(-1)
+                rows = model.attention_rows(chain, start, n, index[name], rank).reshape(-1)
+                part = np.zeros(g.layer_block_bytes, dtype=np.uint8)
+                part[: rows.size] = rows
+                mask = np.zeros(part.size, dtype=bool)
+                mask[: rows.size] = True
             else:
                 part = model.mamba_state(chain, n, index[name], rank)
+                mask = np.ones(part.size, dtype=bool)
             assert part.size == g.layer_block_bytes, (name, part.size, g.layer_block_bytes)
             parts.append(part)
-    return np.concatenate(parts)
+            read.append(mask)
+    return np.concatenate(parts), np.concatenate(read)
+
+
+def payload_matches(
+    engine: LifecycleEngine, payload: np.ndarray, chain: TokenChain, n: int, kind: int, rank: int
+) -> bool:
+    want, read = expected_payload(engine, chain, n, kind, rank)
+    return bool(np.array_equal(payload[read], want[read]))
 
 
 def _describe_found(engine: LifecycleEngine, payload: np.ndarray, kind: int) -> str:
@@ -216,7 +254,7 @@ def audit_storage(
                 found = chains[key]
                 assert found is not None
                 chain, n = found
-                if np.array_equal(payload, expected_payload(engine, chain, n, kind, rank)):
+                if payload_matches(engine, payload, chain, n, kind, rank):
                     break
             else:
                 what = "KV block" if kind == KV_KIND else "Mamba state"
@@ -224,10 +262,7 @@ def audit_storage(
                     m
                     for m in range(engine.model.epoch + 1)
                     if m not in model_epochs
-                    and np.array_equal(
-                        payload,
-                        expected_payload(engine, *oracle.chain(block_hash, m), kind, rank),
-                    )
+                    and payload_matches(engine, payload, *oracle.chain(block_hash, m), kind, rank)
                 ]
                 whose = (
                     f"this prefix's bytes of model epoch {stale[0]} (stale)"

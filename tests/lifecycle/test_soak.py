@@ -1,10 +1,13 @@
-"""The random soak under storage churn, once per write policy.
+"""The random soak under storage churn, once per write policy, and once with partial tails.
 
 Size: HIMAMBA_SOAK_REQUESTS (100,000 by default, as in CI), split evenly across the variants.
 Each variant runs vLLM's real scheduler over a CPU tier of a few dozen KV slots and a handful
 of Mamba slots, an LMCache ``file://`` store, every fault (aborts, failed loads, failed storage
 ops, late and lost acknowledgements) and random control between steps (attach, detach, switch
-store, resets with and without the connector, ``drop_host_tier``, weight updates). It must end
+store, resets with and without the connector, ``drop_host_tier``, weight updates). Two variants
+send conversations (a finished request's prompt and answer plus a new message), one of them with
+``partial_tail_hits`` (hits inside a block, through a kept tail of the CPU tier or of storage;
+tail objects are audited on the rows a reader uses). It must end
 with no error, nothing held, no step plan that gives a host slot two roles, and every object
 left in every store directory holding exactly the bytes of the prefix its key names.
 """
@@ -30,7 +33,10 @@ SOAK_SEED = int(os.environ.get("HIMAMBA_SOAK_SEED", "0"))
 VARIANTS = (
     ChurnVariant("write_through"),
     ChurnVariant("write_through_selective"),
-    ChurnVariant("write_back"),
+    # Conversations: 30% of requests continue a finished one (its prompt and answer plus a new
+    # message); without partial tails they hit at block boundaries, with them inside a block.
+    ChurnVariant("write_back", conversation_share=0.3),
+    ChurnVariant("write_through", partial_tails=True, conversation_share=0.3),
 )
 
 
@@ -78,6 +84,11 @@ def test_soak_under_churn_ends_clean_and_exact(make_engine, tmp_path, index):
     assert result.aborted > 0
     if n >= 20_000:
         assert set(churn.actions) == set(ACTIONS), churn.actions
+    # Next turns were sent and, with partial tails, hit inside a block from both tiers.
+    tails = report.tails()
+    assert (tails["next_turns"] > 0) == (variant.conversation_share > 0), tails
+    if variant.partial_tails:
+        assert tails["tail_hits"] > 0 and tails["storage_tails_seen"] > 0, tails
         assert churn.weight_updates > 0 and len(churn.urls_used) > 1
     # Metadata stays bounded by the host capacity, not by the number of requests.
     capacity = sum(report.capacities)
