@@ -76,6 +76,10 @@ class Churn:
         self.last = initial
         self.stats = ChurnStats(urls_used=[self.url(initial)])
         self.draining = False
+        # Every action once, in a random order, before the weighted draws: a rare one (a
+        # weight update) is never left out of a run by chance.
+        self._first = list(ACTIONS)
+        self.rng.shuffle(self._first)
         self._next_at = self._draw()
         self.plans = PlanAudit()
         record_plans(engine, self.plans)
@@ -104,7 +108,10 @@ class Churn:
         if engine.steps < self._next_at:
             return
         self._next_at = self._draw()
-        action = self.rng.choices(ACTIONS, weights=self.plan.weights)[0]
+        if self._first:
+            action = self._first.pop()
+        else:
+            action = self.rng.choices(ACTIONS, weights=self.plan.weights)[0]
         self.stats.actions[action] += 1
         getattr(self, "_" + action)()
 
