@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -82,8 +83,11 @@ class Conversations:
     """Finished requests a next turn may continue: (prompt + answer, cache salt)."""
 
     plan: SoakPlan
-    turns: list[tuple[list[int], str | None]] = field(default_factory=list)
+    turns: deque[tuple[list[int], str | None]] = field(init=False)
     continued: int = 0
+
+    def __post_init__(self) -> None:
+        self.turns = deque(maxlen=self.plan.conversations_kept)
 
     def finished(self, engine: LifecycleEngine, rid: str) -> None:
         rec = engine.records[rid]
@@ -92,8 +96,6 @@ class Conversations:
         tokens = rec.prompt + rec.output
         if len(tokens) > self.plan.conversation_max_tokens:
             return
-        if len(self.turns) >= self.plan.conversations_kept:
-            self.turns.pop(0)
         self.turns.append((tokens, rec.cache_salt))
 
     def next_turn(self, rng: random.Random) -> tuple[list[int], str | None] | None:

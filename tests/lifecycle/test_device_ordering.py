@@ -16,7 +16,7 @@ import pytest
 
 from himamba.tiers.transfer_engine import HostCopyEngine, JobResult
 
-from .churn import ChurnReport, ChurnVariant, run_churn_soak
+from .churn_soak import ChurnReport, ChurnVariant, run_churn_soak
 from .faults import replaced_everywhere
 
 REPORT_AFTER_POLLS = 3
