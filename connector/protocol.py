@@ -182,6 +182,18 @@ class StoreBatch:
     def __len__(self) -> int:
         return len(self.slots)
 
+    def split(self, n: int) -> tuple[StoreBatch, StoreBatch]:
+        """The first ``n`` entries and the rest, as two batches."""
+        if not n:
+            return StoreBatch(), self
+        head = StoreBatch(
+            self.slots[:n], [c[:n] for c in self.blocks], self.hashes[:n], self.lora_tags[:n]
+        )
+        rest = StoreBatch(
+            self.slots[n:], [c[n:] for c in self.blocks], self.hashes[n:], self.lora_tags[n:]
+        )
+        return head, rest
+
 
 @dataclass(frozen=True)
 class StorageWrite:
@@ -209,9 +221,11 @@ class StepPlan:
     # worker remembers which slots hold bytes storage lacks; a freed slot holds nothing).
     freed_kv: list[int] = field(default_factory=list)
     freed_mamba: list[int] = field(default_factory=list)
-    # Finished requests whose blocks vLLM holds until this plan's stores (their partial
-    # tails) are copied: each worker reports them in ``finished_sending`` then.
-    sends: list[str] = field(default_factory=list)
+    # The first ``early_stores`` entries of ``kv_stores`` and of ``mamba_stores`` (one page
+    # and one state per partial tail) read blocks vLLM freed when the last output came in:
+    # workers copy them in the step's first hook, before vLLM can zero or reuse those blocks,
+    # instead of after the forward with the others.
+    early_stores: int = 0
     generation: Generation = Generation()
     # ``StorageConfig.identity()`` of the scheduler half's store ("": none): a rank that
     # switched stores knows the switch was followed when this names its own.
@@ -247,8 +261,6 @@ class StoreDone:
 
     batches: tuple[StoredBatch, ...]
     epoch: str
-    # Requests whose blocks may be freed once this store is copied (``StepPlan.sends``).
-    sends: tuple[str, ...] = ()
 
 
 # -- the plan validator --------------------------------------------------------------------

@@ -193,7 +193,6 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
                 connector_output.finished_recving or (),
                 getattr(connector_output, "failed_recving", None) or (),
                 acks,
-                connector_output.finished_sending or (),
             )
 
     def has_pending_push_work(self) -> bool:
@@ -213,13 +212,13 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, None]:
-        """True (vLLM keeps the blocks) when the request's partial tail is being copied; the
-        workers report it in ``finished_sending`` once the copy no longer reads them."""
+        """Never holds the blocks: a partial tail is copied in the next step's first worker
+        hook, before vLLM can zero or reuse them (``handle_preemptions``)."""
         if self.scheduler is None:
             return False, None
-        keep = self.scheduler.keep_tail(request, block_ids)
+        self.scheduler.keep_tail(request, block_ids)
         self.scheduler.on_finished(request)
-        return keep, None
+        return False, None
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, called after weight updates:
@@ -280,9 +279,12 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # vLLM's first worker hook of every step, before it zeroes, copies or rewrites any
-        # block: the last step's stores must have read their source blocks by now.
+        # block: the last step's stores must have read their source blocks by now, and so
+        # must this plan's partial tails (blocks vLLM freed when the last output came in).
         if self.worker is not None:
             self.worker.fence()
+            if isinstance(kv_connector_metadata, HiMambaMetadata):
+                self.worker.run_early_stores(kv_connector_metadata.plan)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: object) -> None:
         if self.worker is not None and self.has_connector_metadata():
@@ -318,7 +320,6 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorTransferResults()
         finished, failed = self.worker.take_results()
         return KVConnectorTransferResults(
-            finished_sending=self.worker.take_sent(),
             finished_recving=finished,
             failed_recving=failed,
         )

@@ -194,7 +194,8 @@ class SchedulerHalf:
             return None, False  # asked again next step
         hashes, max_blocks = self._hittable(request)
         start = num_computed_tokens // bs
-        if max_blocks <= start:
+        if max_blocks <= start and (self.tails is None or max_blocks < start):
+            # Nothing past vLLM's own hit but maybe a tail (a short next turn, same replica).
             return 0, False
         part = request_partition(request)
         if start:
@@ -347,10 +348,7 @@ class SchedulerHalf:
         finished_recving: Sequence[str],
         failed_recving: Sequence[str],
         fetch_acks: Sequence[FetchAck] = (),
-        finished_sending: Sequence[str] = (),
     ) -> None:
-        if finished_sending and self.tails is not None:
-            self.tails.sent(finished_sending)
         if fetch_acks and self.storage is not None:
             self.storage.on_acks(fetch_acks)
         failed = set(failed_recving or ())
@@ -366,8 +364,8 @@ class SchedulerHalf:
                     self.hits.bar(req_id)
 
     def keep_tail(self, request: Request, block_ids: Sequence[Sequence[int]]) -> bool:
-        """The request finished: keep its partial tail (``tails``)? True: vLLM must hold its
-        blocks until the workers report the copy."""
+        """The request finished: plan the copy of its partial tail (``tails``), which the
+        workers make before vLLM can reuse its blocks. True if planned."""
         req_id = request.request_id
         identity = self.stores.identity(req_id)
         if self.tails is None or identity is None:
@@ -384,9 +382,10 @@ class SchedulerHalf:
             self.storage.forget(req_id)
 
     def has_pending_work(self) -> bool:
-        """Storage fetches in flight are acknowledged only through engine steps, and the last
-        step's stores reach storage at the next step's fence; so are tails' copies."""
-        if self.tails is not None and self.tails.sending:
+        """Storage fetches in flight are acknowledged only through engine steps, the last
+        step's stores reach storage at the next step's fence, and tails' copies are made in
+        the next step."""
+        if self._plan.early_stores:
             return True
         if self._stores_unfenced and self.storage is not None:
             return True
@@ -401,6 +400,8 @@ class SchedulerHalf:
         reports False (vLLM's own reset fails then too), and the caller retries.
         """
         self.hits.release_all()
+        if self.tails is not None:
+            self.tails.drop_planned(self._plan)  # pre-reset bytes, not under the new epoch
         # The epoch belongs to the scheduler, not to the attached store: a reset while
         # detached still makes everything stored before it unreachable after an attach.
         self.generations.new_epoch()
@@ -431,7 +432,6 @@ class SchedulerHalf:
             "tracked_requests": len(self.stores),
             "locked_entries": len(self.tree.handles),
             "pending_stores": self.tree.stats()["pending_stores"],
-            "tail_sends_open": 0 if self.tails is None else len(self.tails.sending),
             "slots_conserved": conserved,
         }
         if self.storage is not None:

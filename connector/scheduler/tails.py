@@ -8,8 +8,11 @@ to a block short of what was computed: with production block sizes (hundreds of 
 is a large part of the next turn's prefill. When a request finishes with ``T`` computed tokens,
 ``T = P * block_size + L`` with ``0 < L < block_size``, its block ``P`` holds the KV of those
 ``L`` tokens and its running Mamba state is exactly the state after ``T`` tokens (align mode:
-the running state lives in column ``P``). Both are copied to the CPU tier before vLLM frees the
-blocks (``request_finished`` delays the free until the workers report the copy done).
+the running state lives in column ``P``). vLLM frees the blocks at once; both are copied to the
+CPU tier in the next step's first worker hook (``StepPlan.early_stores``), before vLLM zeroes,
+copies or computes into any block of that step, so a freed block is read before it is reused
+(on a GPU the compute stream waits for the copy). Nothing is held: a reset with running
+requests preempted, which vLLM refuses while a finished request holds blocks, still succeeds.
 
 In the tree a tail is an ordinary one-block node under block ``P - 1``, named by a *tail hash*
 of its parent's block hash and its ``L`` tokens (never equal to a real block hash), with a
@@ -26,12 +29,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from himamba.connector.layout import GroupLayout, HybridLayout
-from himamba.connector.protocol import ObjectKind, StepPlan
+from himamba.connector.protocol import ObjectKind, StepPlan, StoreBatch
 from himamba.connector.scheduler.counters import SchedulerCounters
 from himamba.connector.scheduler.host_stores import block_hashes
 from himamba.connector.tree import HybridRadixTree, MatchResult
@@ -186,8 +189,7 @@ def tail_probe(
 class PartialTails:
     """Keeps finished requests' tails in the CPU tier and finds the one a lookup continues.
 
-    Owns only the index of tails and the requests whose blocks vLLM holds for a tail's copy;
-    the slots, locks and eviction are the tree's."""
+    Owns only the index of tails; the slots, locks and eviction are the tree's."""
 
     def __init__(
         self, layout: HybridLayout, tree: HybridRadixTree, counters: SchedulerCounters
@@ -196,8 +198,6 @@ class PartialTails:
         self.tree = tree
         self.counters = counters
         self.index = TailIndex()
-        # Requests whose blocks vLLM holds until the workers report the tail copied.
-        self.sending: set[str] = set()
 
     def keep(
         self,
@@ -207,13 +207,19 @@ class PartialTails:
         lora_tag: str,
         plan: StepPlan,
     ) -> bool:
-        """Plan the copy of ``request``'s tail into ``plan``; True if vLLM must hold its
-        blocks until the workers report it (``finished_sending``)."""
+        """Plan the copy of ``request``'s tail into ``plan`` as an early store (first hook of
+        the next step); True if planned."""
         bs = self.layout.block_size
         computed = request.num_computed_tokens
         p, length = divmod(computed, bs)
         if not length or not p or getattr(request, "mm_features", None):
             return False  # on a boundary (a normal hit), or content the tokens do not name
+        if computed > request.num_tokens:
+            # Async scheduling: a forward in flight takes a token sampled by another forward
+            # whose output vLLM has not processed yet. Its state will be past every token
+            # this request names, so no length names it.
+            self.counters.tails_unnamed += 1
+            return False
         hashes = block_hashes(request, self.layout.hashes_per_block)
         if len(hashes) < p:
             return False
@@ -231,13 +237,21 @@ class PartialTails:
         if state is None:
             self.tree.complete_store([slot], [], ok=False)
             return False
+        # Early stores lead both batches: only tails add stores before the plan is built.
+        assert len(plan.kv_stores) == len(plan.mamba_stores) == plan.early_stores
         plan.kv_stores.add(slot, attention, tail, lora_tag)
         plan.mamba_stores.add(state, mamba, tail, lora_tag)
-        plan.sends.append(request.request_id)
-        self.sending.add(request.request_id)
+        plan.early_stores += 1
         self.index.add(partition, hashes[p - 1], tail, length)
         self.counters.tails_stored += 1
         return True
+
+    def drop_planned(self, plan: StepPlan) -> None:
+        """Forget the tails ``plan`` would copy (a reset before it is sent): their bytes are
+        from before the reset, and the plan would store them under the new key epoch."""
+        if plan.early_stores:
+            self.tree.complete_store(plan.kv_stores.slots, plan.mamba_stores.slots, ok=False)
+            plan.kv_stores, plan.mamba_stores, plan.early_stores = StoreBatch(), StoreBatch(), 0
 
     def adopt(
         self,
@@ -259,9 +273,6 @@ class PartialTails:
         self.index.add(partition, hashes[k - 1], tail, length)
         self.counters.storage_tails_seen += 1
         return path
-
-    def sent(self, req_ids: Iterable[str]) -> None:
-        self.sending.difference_update(req_ids)
 
     def deeper_hit(
         self,

@@ -106,18 +106,14 @@ def retain_decode_states(
 
 
 def partial_tails_allowed(vllm_config: VllmConfig, config: HiMambaConfig) -> HiMambaConfig:
-    """``config`` without partial tails where a finished request's computed-token count does
-    not name exactly what its blocks hold: async scheduling counts a token scheduled for a
-    forward that may not have run, and speculative decoding counts unverified drafts."""
+    """``config`` without partial tails under speculative decoding: a finished request's
+    computed-token count then includes drafts its blocks may not hold. (Async scheduling is
+    fine: there the count includes the forward in flight, whose copy the tail's store waits
+    for, and a tail whose in-flight token vLLM has not seen yet is skipped; see
+    ``PartialTails.keep``.)"""
     if not config.partial_tail_hits:
         return config
-    sched = getattr(vllm_config, "scheduler_config", None)
-    reason = ""
-    if getattr(sched, "async_scheduling", False):
-        reason = "async scheduling is on"
-    elif getattr(vllm_config, "speculative_config", None) is not None:
-        reason = "speculative decoding is on"
-    if not reason:
+    if getattr(vllm_config, "speculative_config", None) is None:
         return config
-    logger.warning("himamba: partial_tail_hits turned off: %s", reason)
+    logger.warning("himamba: partial_tail_hits turned off: speculative decoding is on")
     return replace(config, partial_tail_hits=False)

@@ -3,7 +3,8 @@
 It never decides anything: every slot and block id comes from the scheduler
 half. Bytes move on the copy engine (``tiers.transfer_engine``), off the step:
 stores are submitted in ``wait_for_save`` and fenced at the next step's first hook
-(``handle_preemptions``, see ``copy_jobs``); loads are submitted in ``start_load_kv``
+(``handle_preemptions``, see ``copy_jobs``), except partial tails, copied in that first hook
+itself (their blocks were freed before the step: ``run_early_stores``); loads are submitted in ``start_load_kv``
 and reported through ``finished_recving`` once done (on CPU, where the forward and
 the copies share the cores, within the step; on a GPU when their event fired).
 """
@@ -76,8 +77,6 @@ class WorkerHalf:
         self.mamba: MambaSnapshotter | None = None
         self.copies: CopyJobs | None = None
         self._finished: set[str] = set()
-        # Finished requests whose partial tails are copied: vLLM may free their blocks.
-        self._sent: set[str] = set()
         self._failed: set[str] = set()
         self._idle_step = False
         self._engine_idle = False
@@ -199,10 +198,7 @@ class WorkerHalf:
         return self.storage is None or self.storage.flush(timeout_s)
 
     def _stores_done(self, stores: list[StoreDone]) -> None:
-        """Completed stores: the requests whose partial tails they copied may be freed
-        (``take_sent``), and the stored objects go on to storage."""
-        for done in stores:
-            self._sent.update(done.sends)
+        """Completed stores: the stored objects go on to storage."""
         if self.storage is None:
             return
         for done in stores:
@@ -264,45 +260,45 @@ class WorkerHalf:
         plans.append(self.mamba.plan_restore([[b] for b in job.mamba_blocks], [job.mamba_slot]))
         return plans
 
+    def run_early_stores(self, plan: StepPlan) -> None:
+        """Copy the plan's early stores (partial tails) now, in the step's first hook: their
+        blocks are vLLM's again and may be zeroed or rewritten later in this very step. On CPU
+        this waits for the copy; on a GPU later compute waits for it on the device."""
+        if not plan.early_stores:
+            return
+        kv, _ = plan.kv_stores.split(plan.early_stores)
+        mamba, _ = plan.mamba_stores.split(plan.early_stores)
+        self._submit_stores(kv, mamba, plan.epoch)
+        self.fence()
+
     def run_stores(self, plan: StepPlan) -> None:
         """Submit this step's device -> host copies; they complete off the step (see fence)."""
+        _, kv = plan.kv_stores.split(plan.early_stores)
+        _, mamba = plan.mamba_stores.split(plan.early_stores)
+        self._submit_stores(kv, mamba, plan.epoch)
+
+    def _submit_stores(self, kv_stores: StoreBatch, mamba_stores: StoreBatch, epoch: str) -> None:
         assert self.kv_pool is not None and self.mamba is not None and self.copies is not None
-        if self.copies.stores_into(ObjectKind.KV, plan.kv_stores.slots) or self.copies.stores_into(
-            ObjectKind.MAMBA, plan.mamba_stores.slots
+        if self.copies.stores_into(ObjectKind.KV, kv_stores.slots) or self.copies.stores_into(
+            ObjectKind.MAMBA, mamba_stores.slots
         ):
             # A slot an earlier store (still copying, on a GPU) fills: that store's bytes go to
             # storage under its own key before this one overwrites them.
             self.settle()
         plans = []
-        if plan.kv_stores:
-            per_layer = self._kv_per_layer(plan.kv_stores.blocks)
+        if kv_stores:
+            per_layer = self._kv_per_layer(kv_stores.blocks)
             plans.append(
-                plan_copies(self.kv_layers, per_layer, self.kv_pool, plan.kv_stores.slots, True)
+                plan_copies(self.kv_layers, per_layer, self.kv_pool, kv_stores.slots, True)
             )
-        if plan.mamba_stores:
-            plans.append(
-                self.mamba.plan_snapshot(plan.mamba_stores.blocks, plan.mamba_stores.slots)
-            )
+        if mamba_stores:
+            plans.append(self.mamba.plan_snapshot(mamba_stores.blocks, mamba_stores.slots))
         batches = tuple(
             StoredBatch(kind, tuple(batch.slots), tuple(batch.hashes), tuple(batch.lora_tags))
-            for kind, batch in (
-                (ObjectKind.KV, plan.kv_stores),
-                (ObjectKind.MAMBA, plan.mamba_stores),
-            )
+            for kind, batch in ((ObjectKind.KV, kv_stores), (ObjectKind.MAMBA, mamba_stores))
             if batch
         )
-        self.copies.submit_store(plans, StoreDone(batches, plan.epoch, tuple(plan.sends)))
-        if plan.sends:
-            # vLLM holds the finished requests' blocks until every rank reports their tails
-            # copied. On CPU the copies are done in a moment: report them this step, not after
-            # the next step's fence (a pass less of the device pool held). On a GPU this takes
-            # only the stores already complete, without waiting.
-            self.fence()
-
-    def take_sent(self) -> set[str]:
-        """Requests whose blocks the copies no longer read (``finished_sending``)."""
-        sent, self._sent = self._sent, set()
-        return sent
+        self.copies.submit_store(plans, StoreDone(batches, epoch))
 
     def take_results(self) -> tuple[set[str], set[str]]:
         if self.copies is not None:
@@ -343,7 +339,6 @@ class WorkerHalf:
         report = {
             "unreported_loads": len(self._finished),
             "unsent_acks": len(self._orphan_acks),
-            "unreported_sends": len(self._sent),
         }
         if self.copies is not None:
             report.update(self.copies.in_flight())

@@ -81,7 +81,6 @@ def test_nothing_is_left_locked_or_lost_after_the_run(model_run):
         "hit_records": 0,
         "locked_entries": 0,
         "pending_stores": 0,
-        "tail_sends_open": 0,
         "slots_conserved": True,
     }
 

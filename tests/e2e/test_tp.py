@@ -101,9 +101,9 @@ def test_tp2_fetch_whose_ranks_finish_in_different_steps_is_a_correct_hit(writte
 
 
 def test_tp2_partial_tail_hit_is_token_exact(granite_model):
-    """Each rank copies its shard of the finished turn's partial block and final state; the next
-    turn hits through every computed token only once both ranks reported the copy (vLLM frees
-    the held blocks on the last rank's ``finished_sending``)."""
+    """Each rank copies its shard of the finished turn's partial block and final state (in the
+    next step's first hook, before vLLM can reuse the freed blocks); the next turn hits
+    through every computed token only once both ranks reported the copy."""
     turns = [
         {"new": prompt(43, PROMPT_LEN), "max_tokens": 40},
         {"new": prompt(44, 100), "max_tokens": 8},
@@ -119,4 +119,4 @@ def test_tp2_partial_tail_hit_is_token_exact(granite_model):
     assert computed % bs and got["turns"][1]["cached"] == computed
     assert got["stats"]["tail_hits"] == 1
     assert all(t["idle_steps"] < 16 for t in got["turns"])
-    assert got["leaks"]["tail_sends_open"] == 0 and got["leaks"]["locked_entries"] == 0
+    assert got["leaks"]["locked_entries"] == 0 and got["leaks"]["pending_stores"] == 0

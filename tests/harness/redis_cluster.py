@@ -108,12 +108,26 @@ class RedisCluster:
                 if _ping(self.ports[i]).startswith(b"+PONG"):
                     return
             except OSError:
+                if self.procs[i].poll() is not None:  # e.g. another process took the port
+                    self.procs[i] = None
+                    break
                 time.sleep(0.02)
         raise RuntimeError(f"cluster node {i} did not come up on port {self.ports[i]}")
 
     def start(self) -> None:
         for i in range(len(self.ports)):
-            self._start_node(i)
+            for attempt in range(3):
+                try:
+                    self._start_node(i)
+                    break
+                except RuntimeError:
+                    # A free port found earlier can be taken before redis-server binds it (other
+                    # test processes pick ports too): before the cluster exists, take another.
+                    if attempt == 2:
+                        raise
+                    self.kill(i)
+                    taken = set(self.ports)
+                    self.ports[i] = next(p for p in _free_ports(4) if p not in taken)
         out = subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"{HOST}:{p}" for p in self.ports),
              "--cluster-replicas", "0", "--cluster-yes"],

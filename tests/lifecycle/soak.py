@@ -80,7 +80,7 @@ def _document(rng: random.Random, plan: SoakPlan) -> int:
 
 @dataclass
 class Conversations:
-    """Finished requests a next turn may continue: (prompt + answer, cache salt)."""
+    """Finished (or aborted) requests a next turn may continue: (prompt + answer, cache salt)."""
 
     plan: SoakPlan
     turns: deque[tuple[list[int], str | None]] = field(init=False)
@@ -90,8 +90,10 @@ class Conversations:
         self.turns = deque(maxlen=self.plan.conversations_kept)
 
     def finished(self, engine: LifecycleEngine, rid: str) -> None:
+        # Aborted requests too: a user continues after a cancelled answer, and under async
+        # scheduling an aborted request's tail covers a forward still in flight.
         rec = engine.records[rid]
-        if getattr(rec.finish, "name", None) not in ("LENGTH", "STOP"):
+        if getattr(rec.finish, "name", None) not in ("LENGTH", "STOP", "ABORT"):
             return
         tokens = rec.prompt + rec.output
         if len(tokens) > self.plan.conversation_max_tokens:

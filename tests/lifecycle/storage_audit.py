@@ -67,6 +67,8 @@ class PrefixOracle:
         p, length = divmod(request.num_computed_tokens, bs)
         if not p or not length or len(request.block_hashes) < p:
             return
+        if request.num_computed_tokens > request.num_tokens:
+            return  # a forward in flight took a token vLLM had not seen: no tail (tails.keep)
         ids = list(request.all_token_ids)
         name = tail_hash(bytes(request.block_hashes[p - 1]), ids[p * bs : p * bs + length])
         if name not in self.hashes:

@@ -1,13 +1,14 @@
-"""The random soak under storage churn, once per write policy, and once with partial tails.
+"""The random soak under storage churn, once per write policy, and with partial tails (sync, async).
 
 Size: HIMAMBA_SOAK_REQUESTS (100,000 by default, as in CI), split evenly across the variants.
 Each variant runs vLLM's real scheduler over a CPU tier of a few dozen KV slots and a handful
 of Mamba slots, an LMCache ``file://`` store, every fault (aborts, failed loads, failed storage
 ops, late and lost acknowledgements) and random control between steps (attach, detach, switch
-store, resets with and without the connector, ``drop_host_tier``, weight updates). Two variants
-send conversations (a finished request's prompt and answer plus a new message), one of them with
-``partial_tail_hits`` (hits inside a block, through a kept tail of the CPU tier or of storage;
-tail objects are audited on the rows a reader uses). It must end
+store, resets with and without the connector, ``drop_host_tier``, weight updates). Three variants
+send conversations (a finished or aborted request's prompt and answer plus a new message), two
+with ``partial_tail_hits`` (hits inside a block, through a kept tail of the CPU tier or of
+storage; tail objects are audited on the rows a reader uses), one of those under vLLM's
+AsyncScheduler, two steps in flight as on a GPU. It must end
 with no error, nothing held, no step plan that gives a host slot two roles, and every object
 left in every store directory holding exactly the bytes of the prefix its key names.
 """
@@ -37,6 +38,9 @@ VARIANTS = (
     # message); without partial tails they hit at block boundaries, with them inside a block.
     ChurnVariant("write_back", conversation_share=0.3),
     ChurnVariant("write_through", partial_tails=True, conversation_share=0.3),
+    # vLLM's AsyncScheduler (a GPU engine's default): a step is scheduled before the previous
+    # one's output is in, and an aborted request's tail covers the forward still in flight.
+    ChurnVariant("write_back", async_scheduling=True, partial_tails=True, conversation_share=0.3),
 )
 
 

@@ -145,6 +145,10 @@ def make_vllm_config(spec: EngineSpec, model_config: ModelConfig) -> VllmConfig:
     )
     # EngineCore resolves the layout from the workers' attention backends before sizing.
     config.cache_config.kv_cache_layout = CPU_KV_LAYOUT
+    # vLLM's CPU platform turns async scheduling off; a GPU engine runs it by default, with
+    # vLLM's AsyncScheduler (output placeholders, a step scheduled before the previous one's
+    # output is known). The async engines here run that scheduler, as a GPU engine does.
+    config.scheduler_config.async_scheduling = spec.async_scheduling
     return config
 
 
