@@ -80,6 +80,8 @@ class WorkerHalf:
         self._failed: set[str] = set()
         self._idle_step = False
         self._engine_idle = False
+        # The plan whose storage prelude already ran this step (early stores run it first).
+        self._prelude_of: StepPlan | None = None
         self.counters = CopyCounters()
         # Per-operation observations for the Prometheus histograms (connector.stats drains it).
         self.recorder = StatsRecorder()
@@ -207,7 +209,11 @@ class WorkerHalf:
                     batch.kind, batch.slots, batch.hashes, done.epoch, batch.lora_tags
                 )
 
-    def run_loads(self, plan: StepPlan) -> None:
+    def _storage_prelude(self, plan: StepPlan) -> None:
+        """What must precede any copy of ``plan`` into host slots: the last stores complete,
+        then the plan's cancels (the scheduler may reuse a cancelled fetch's slots in this
+        very plan), writes of host objects (before this plan's stores or fetches overwrite
+        them) and the slots the scheduler freed (their bytes no longer belong to any key)."""
         # A slot's last store must be complete (and handed to storage) before a storage write
         # reads the slot or a fetch lends it to the adapter; an idle step hands the last
         # stores on. Otherwise a no-op on CPU, where handle_preemptions fenced already.
@@ -215,6 +221,17 @@ class WorkerHalf:
             self.settle()
         else:
             self.fence()
+        if self.storage is not None:
+            self.storage.cancel(plan.cancels)
+            self.storage.write_slots(plan.storage_writes, plan.epoch)
+            self.storage.forget_slots(ObjectKind.KV, plan.freed_kv)
+            self.storage.forget_slots(ObjectKind.MAMBA, plan.freed_mamba)
+        self._prelude_of = plan
+
+    def run_loads(self, plan: StepPlan) -> None:
+        if self._prelude_of is not plan:
+            self._storage_prelude(plan)
+        self._prelude_of = None
         self._idle_step = not plan.moves_bytes()
         self._engine_idle = plan.engine_idle
         if self.storage is None:
@@ -224,13 +241,6 @@ class WorkerHalf:
                 for o in plan.fetches
             ]
         else:
-            # Cancels first: the scheduler may reuse a cancelled fetch's slots in this very plan;
-            # then writes of host objects, before this step's stores or fetches overwrite them;
-            # then the slots the scheduler freed, whose bytes no longer belong to any key.
-            self.storage.cancel(plan.cancels)
-            self.storage.write_slots(plan.storage_writes, plan.epoch)
-            self.storage.forget_slots(ObjectKind.KV, plan.freed_kv)
-            self.storage.forget_slots(ObjectKind.MAMBA, plan.freed_mamba)
             self.storage.fetch(plan.fetches)
         assert self.copies is not None
         for job in plan.loads:
@@ -266,6 +276,7 @@ class WorkerHalf:
         this waits for the copy; on a GPU later compute waits for it on the device."""
         if not plan.early_stores:
             return
+        self._storage_prelude(plan)  # e.g. a cancelled fetch's slot, now a tail's, first
         kv, _ = plan.kv_stores.split(plan.early_stores)
         mamba, _ = plan.mamba_stores.split(plan.early_stores)
         self._submit_stores(kv, mamba, plan.epoch)

@@ -6,8 +6,9 @@ would produce (the runner checks every byte it reads)."""
 from __future__ import annotations
 
 from .conftest import connector_config
+from .faults import StorageFaults, faulty_storage
 from .leaks import assert_no_leaks
-from .workload import prompt_of
+from .workload import prompt_of, waiting_on_connector
 
 
 def test_tail_blocks_go_back_at_once_and_are_copied_before_reuse(make_engine):
@@ -175,3 +176,45 @@ def test_reset_right_after_a_request_finishes_drops_its_tail(make_engine, store_
         assert engine.lookups["new-" + tier][-1] == (len(prompt) + 1 - local, True)
         assert tail_hits() == before + 1
     assert_no_leaks(engine)
+
+
+def test_tail_in_the_slot_of_a_fetch_given_up_the_same_step(make_engine, store_url):
+    """A storage fetch in flight is given up (its request aborted) and, in the same pause
+    between steps, another request's tail takes the Mamba slot the fetch had (the pool hands
+    out the slot freed last). The worker must apply the plan's cancel (which moves a slot still
+    lent to the adapter onto spare memory) before it copies the tail into that slot: copied
+    first, the tail's bytes would leave with the old memory and the slot would hold whatever
+    the spare held. The next turn then reads the tail from the CPU tier, bytes checked."""
+    cfg = connector_config(
+        store_url, partial_tail_hits=True, storage={"prefetch_timeout_base_s": 10.0}
+    )
+    doc = prompt_of(21, 80)
+    writer = make_engine(connector_config=cfg)
+    writer.add_request("d", doc, max_tokens=1)
+    writer.run_until_idle()
+    writer.close()  # flushes write-through: the prefix is now only in storage
+    with faulty_storage(StorageFaults()) as faults:
+        engine = make_engine(connector_config=cfg)
+        bs = engine.kv.block_size
+        prompt = prompt_of(22, 3 * bs + 5)
+        engine.add_request("a", prompt, max_tokens=50)
+        engine.run_until(lambda: len(engine.records["a"].output) >= 2)
+        faults.hold_loads.set()  # the fetch below stays in flight
+        engine.add_request("f", doc + prompt_of(23, 5), max_tokens=2)
+        engine.run_until(lambda: faults.counts.get("submitted_loads", 0) > 0)
+        engine.step()
+        assert waiting_on_connector(engine, "f"), engine.lookups["f"]
+        engine.abort(["f"])  # its fetch is given up, its slots freed at once...
+        engine.abort(["a"])  # ...and a's tail takes the Mamba slot freed last
+        computed = len(prompt) + len(engine.records["a"].output) - 1
+        assert computed % bs
+        engine.step()  # the plan: cancel the fetch, copy the tail
+        faults.release()
+        assert engine.connector.stats()["tails_stored"] == 1
+        engine.run_until_idle()
+        assert engine.scheduler.reset_prefix_cache()
+        rec = engine.records["a"]
+        engine.add_request("a-next", rec.prompt + rec.output + prompt_of(24, 7), max_tokens=2)
+        engine.run_until_idle()  # the runner raises if the tail's bytes are not a's
+        assert engine.lookups["a-next"][-1] == (computed, True), engine.lookups["a-next"]
+        assert_no_leaks(engine)
