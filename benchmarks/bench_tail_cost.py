@@ -1,12 +1,15 @@
 """What ``partial_tail_hits`` costs and saves in prefill: tokens computed with and without it.
 
 Runs the churn soak (vLLM's real scheduler, stand-in model runners, an LMCache file store and
-random control between steps; ``tests/lifecycle/churn_soak.py``) with every fault off, on three
+random control between steps; ``tests/lifecycle/churn_soak.py``) with every fault off, on five
 workloads, each with tails off and on, over several seeds:
 
-  one-shot    write-through-selective, no request continues another (tails can only evict)
-  turns       write-through, 30 % of requests continue a finished one (a next turn)
-  turns-async write-back under vLLM's AsyncScheduler, 30 % next turns
+  one-shot              write-through-selective, no request continues another (tails only evict)
+  turns                 write-through, 30 % of requests continue a finished one (a next turn)
+  turns-async           write-back under vLLM's AsyncScheduler, 30 % next turns
+  turns-async-v2        the same under Model Runner V2's call order (a GPU engine's default),
+                        with himamba's step-start hook
+  turns-async-v2-nohook the same without that hook (tails whose blocks are reused are dropped)
 
 Tokens computed is the sum of scheduled tokens over all steps (lower is better); vLLM hits are
 its own device prefix cache, connector hits what the connector loaded. The soak's storage
@@ -45,6 +48,24 @@ WORKLOADS = {
     "turns-async": ChurnVariant(
         "write_back", async_scheduling=True, conversation_share=0.3, **ROOMY
     ),
+    # A GPU engine's defaults: async scheduling and Model Runner V2's call order, with
+    # himamba's step-start hook and without it (HIMAMBA_V2_STEP_HOOK=0: tails whose blocks
+    # vLLM hands out in the copying step are given up).
+    "turns-async-v2": ChurnVariant(
+        "write_back",
+        async_scheduling=True,
+        model_runner_v2=True,
+        conversation_share=0.3,
+        **ROOMY,
+    ),
+    "turns-async-v2-nohook": ChurnVariant(
+        "write_back",
+        async_scheduling=True,
+        model_runner_v2=True,
+        v2_step_hook=False,
+        conversation_share=0.3,
+        **ROOMY,
+    ),
 }
 
 
@@ -59,6 +80,7 @@ class Run:
     connector_hits: int = 0
     tail_hits: int = 0
     storage_tails_seen: int = 0
+    tails_overwritten: int = 0
 
 
 def one_run(model_config: Any, workload: str, tails: bool, seed: int, n: int) -> Run:
@@ -87,14 +109,15 @@ def one_run(model_config: Any, workload: str, tails: bool, seed: int, n: int) ->
     run.vllm_hits, run.connector_hits = report.hits.local_hits, report.hits.external_hits
     counts = report.tails()
     run.tail_hits, run.storage_tails_seen = counts["tail_hits"], counts["storage_tails_seen"]
+    run.tails_overwritten = counts["tails_overwritten"]
     return run
 
 
 def summary(runs: list[Run]) -> list[str]:
     lines = [
         "| workload | tails | tokens computed (mean, min-max) | vs off | vLLM hits | "
-        "connector hits | tail hits (CPU) | tails found in storage |",
-        "|---|---|---|---|---|---|---|---|",
+        "connector hits | tail hits (CPU) | tails found in storage | tails given up |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for workload in WORKLOADS:
         off_mean = None
@@ -112,7 +135,8 @@ def summary(runs: list[Run]) -> list[str]:
                 f"{max(toks):,}) | {ratio} | {statistics.mean(r.vllm_hits for r in rs):,.0f} | "
                 f"{statistics.mean(r.connector_hits for r in rs):,.0f} | "
                 f"{statistics.mean(r.tail_hits for r in rs):,.0f} | "
-                f"{statistics.mean(r.storage_tails_seen for r in rs):,.0f} |"
+                f"{statistics.mean(r.storage_tails_seen for r in rs):,.0f} | "
+                f"{statistics.mean(r.tails_overwritten for r in rs):,.0f} |"
             )
     return lines
 

@@ -48,8 +48,9 @@ class HiMambaConfig:
     checkpoint_interval_tokens: int = 1024
     # Keep a finished request's partly filled last block and its final Mamba state, so the
     # next turn of a conversation hits through the whole previous answer, not only to its
-    # last full block (``scheduler.tails``). Copied in the next step's first worker hook,
-    # before vLLM reuses the blocks; each tail takes host slots: for conversations.
+    # last full block (``scheduler.tails``). Copied at the start of the next step (V1: its
+    # first worker hook; V2: himamba's step-start hook), before vLLM reuses the blocks; each
+    # tail takes host slots: for conversations.
     partial_tail_hits: bool = False
     # vLLM's default kv_load_failure_policy "fail" fails a user request whenever a cache load
     # fails; himamba switches it to "recompute" at start-up unless this is true.

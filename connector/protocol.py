@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -182,6 +182,15 @@ class StoreBatch:
     def __len__(self) -> int:
         return len(self.slots)
 
+    def select(self, keep: Sequence[int]) -> StoreBatch:
+        """The entries at positions ``keep``, in that order."""
+        return StoreBatch(
+            [self.slots[i] for i in keep],
+            [[c[i] for i in keep] for c in self.blocks],
+            [self.hashes[i] for i in keep],
+            [self.lora_tags[i] for i in keep],
+        )
+
     def split(self, n: int) -> tuple[StoreBatch, StoreBatch]:
         """The first ``n`` entries and the rest, as two batches."""
         if not n:
@@ -223,9 +232,12 @@ class StepPlan:
     freed_mamba: list[int] = field(default_factory=list)
     # The first ``early_stores`` entries of ``kv_stores`` and of ``mamba_stores`` (one page
     # and one state per partial tail) read blocks vLLM freed when the last output came in:
-    # workers copy them in the step's first hook, before vLLM can zero or reuse those blocks,
-    # instead of after the forward with the others.
+    # workers copy them at the step's start (V1's first hook, or himamba's hook before Model
+    # Runner V2's step), before vLLM can write those blocks, instead of after the forward.
     early_stores: int = 0
+    # Early stores whose blocks this step hands out were dropped (the scheduler's side of V2
+    # without the step-start hook): a worker in that mode refuses a plan without it.
+    tails_screened: bool = False
     generation: Generation = Generation()
     # ``StorageConfig.identity()`` of the scheduler half's store ("": none): a rank that
     # switched stores knows the switch was followed when this names its own.

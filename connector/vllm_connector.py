@@ -38,9 +38,11 @@ from himamba.connector.storage_setup import acking_workers, storage_config
 from himamba.connector.vllm_fixups.engine_config import (
     BlockSizeGuard,
     adapt_load_failure_policy,
+    model_runner_v2,
     partial_tails_allowed,
     retain_decode_states,
 )
+from himamba.connector.vllm_fixups.runner_v2_hook import install_step_hook, step_hook_available
 from himamba.connector.worker.ranks import worker_rank
 from himamba.connector.worker.storage_control import WorkerControl
 from himamba.connector.worker.worker_half import WorkerHalf
@@ -90,6 +92,10 @@ class HiMambaMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
 
 
+def _plan_of(metadata: KVConnectorMetadata | None) -> StepPlan | None:
+    return metadata.plan if isinstance(metadata, HiMambaMetadata) else None
+
+
 class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered prefix cache for hybrid attention + Mamba models."""
 
@@ -117,6 +123,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats: SchedulerStats | WorkerStats | None = None
         self._events: KVEventTracker | None = None
         self._block_size_guard: BlockSizeGuard | None = None
+        # This worker's runner calls ``himamba_step_start`` before it writes any block.
+        self.step_hook_installed = False
         try:
             self.layout = build_layout(vllm_config, kv_cache_config)
         except UnsupportedLayout as exc:
@@ -124,6 +132,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             log = logger.warning if role == KVConnectorRole.SCHEDULER else logger.debug
             log("himamba: caching disabled (connector inert) for this model: %s", exc)
             return
+        # Model Runner V2 writes a step's blocks before our first hook (runner_v2_hook).
+        v2 = model_runner_v2(vllm_config)
         kv_slots, mamba_slots = self.layout.slot_counts(
             self.config.cpu_cache_bytes, self.config.mamba_cache_fraction
         )
@@ -133,7 +143,14 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             self._block_size_guard = BlockSizeGuard(vllm_config, self.layout.block_size)
             retain_decode_states(vllm_config, kv_cache_config, self.config, self.layout)
             self.config = partial_tails_allowed(vllm_config, self.config)
-            self.scheduler = SchedulerHalf(self.layout, self.config, kv_slots, mamba_slots)
+            self.scheduler = SchedulerHalf(
+                self.layout,
+                self.config,
+                kv_slots,
+                mamba_slots,
+                # Without V2's step-start hook, tails whose blocks a step hands out are lost.
+                blocks_written_first=v2 and not step_hook_available(),
+            )
             control = SchedulerControl(
                 self.scheduler, vllm_config, self.layout, scfg, self._acking_workers
             )
@@ -142,6 +159,9 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             self._control = control
         else:
             self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots, None, worker_rank())
+            self.step_hook_installed = v2 and install_step_hook()
+            self.worker.step_hook = self.step_hook_installed
+            self.worker.blocks_written_first = v2 and not self.step_hook_installed
             self._control = WorkerControl(self.worker, vllm_config, self.layout, scfg)
             if scfg is not None:  # opened by register_kv_caches, once the host pools exist
                 self._control.attach_at_start(scfg)
@@ -277,14 +297,21 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.register(kv_caches)
 
+    def himamba_step_start(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Called by the Model Runner V2 hook (``runner_v2_hook``) before V2 zeroes or copies
+        any block of the step: what ``handle_preemptions`` does under V1."""
+        if self.worker is not None and self.step_hook_installed:
+            self.worker.step_start(_plan_of(kv_connector_metadata))
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # vLLM's first worker hook of every step, before it zeroes, copies or rewrites any
-        # block: the last step's stores must have read their source blocks by now, and so
-        # must this plan's partial tails (blocks vLLM freed when the last output came in).
+        # vLLM's first worker hook of every step, before the forward. Model Runner V1 calls it
+        # before it zeroes or copies any block: the last step's stores must have read their
+        # source blocks by now, and so must this plan's partial tails (blocks vLLM freed when
+        # the last output came in). V2 zeroes and copies first: there our step-start hook did
+        # this already (or, without it, CPU stores finished within their own step and tails
+        # whose blocks this step hands out are not in the plan).
         if self.worker is not None:
-            self.worker.fence()
-            if isinstance(kv_connector_metadata, HiMambaMetadata):
-                self.worker.run_early_stores(kv_connector_metadata.plan)
+            self.worker.first_hook(_plan_of(kv_connector_metadata))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: object) -> None:
         if self.worker is not None and self.has_connector_metadata():

@@ -24,6 +24,7 @@ class SchedulerCounters(Counters):
     mamba_incomplete_handoffs: int = 0
     tails_stored: int = 0  # finished requests' partial last blocks (with their states) kept
     tails_unnamed: int = 0  # not kept: a forward in flight took a token vLLM had not seen yet
+    tails_overwritten: int = 0  # given up: Model Runner V2 rewrote their blocks before the copy
     tail_hits: int = 0  # hits that end inside a block, at a kept tail
     storage_tails_seen: int = 0  # tails a storage probe found past a request's stored blocks
     resets: int = 0

@@ -65,6 +65,7 @@ class SchedulerHalf:
         kv_slots: int,
         mamba_slots: int,
         storage: StoragePlanner | None = None,
+        blocks_written_first: bool = False,
     ) -> None:
         self.layout = layout
         self.config = config
@@ -90,7 +91,9 @@ class SchedulerHalf:
         self._writes: list[StorageWrite] = []
         self.stores = HostStores(layout, config, self.tree, self.counters, self.lora)
         self.tails = (
-            PartialTails(layout, self.tree, self.counters) if config.partial_tail_hits else None
+            PartialTails(layout, self.tree, self.counters, blocks_written_first)
+            if config.partial_tail_hits
+            else None
         )
         # KV-cache events for routers (kv_events.KVEventTracker); None unless vLLM publishes.
         self._events: KVEventTracker | None = None
@@ -299,6 +302,8 @@ class SchedulerHalf:
     def build_plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
         self.counters.steps += 1
+        if self.tails is not None:
+            self.tails.drop_overwritten(plan, scheduler_output)  # before any other store joins
         self.stores.plan(plan, scheduler_output)
         storage = self.storage
         plan.engine_idle = not scheduler_output.total_num_scheduled_tokens

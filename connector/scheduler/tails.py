@@ -9,10 +9,15 @@ is a large part of the next turn's prefill. When a request finishes with ``T`` c
 ``T = P * block_size + L`` with ``0 < L < block_size``, its block ``P`` holds the KV of those
 ``L`` tokens and its running Mamba state is exactly the state after ``T`` tokens (align mode:
 the running state lives in column ``P``). vLLM frees the blocks at once; both are copied to the
-CPU tier in the next step's first worker hook (``StepPlan.early_stores``), before vLLM zeroes,
-copies or computes into any block of that step, so a freed block is read before it is reused
-(on a GPU the compute stream waits for the copy). Nothing is held: a reset with running
-requests preempted, which vLLM refuses while a finished request holds blocks, still succeeds.
+CPU tier in the next step's first worker hook (``StepPlan.early_stores``), before that step's
+forward computes into any block (on a GPU the compute stream waits for the copy). Model Runner
+V1 (the CPU platform's) calls that hook before it zeroes or copies any block, so a freed block
+is read before it is reused (vLLM hands out uncached blocks, such as a tail's, first); V2 (a
+GPU engine's default) writes the step's new blocks first, so there the copy runs from
+himamba's step-start hook (``vllm_fixups.runner_v2_hook``), which precedes V2's step. Without
+that hook, a tail whose blocks the step hands out is given up (``drop_overwritten``: the next
+turn hits to its last full block). Nothing is held: a reset with running requests preempted,
+which vLLM refuses (raises) while a finished request holds blocks, still succeeds.
 
 In the tree a tail is an ordinary one-block node under block ``P - 1``, named by a *tail hash*
 of its parent's block hash and its ``L`` tokens (never equal to a real block hash), with a
@@ -42,6 +47,7 @@ from himamba.tiers.object_format import StorageKey
 from himamba.tiers.storage_records import TaskResult
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 # Tail hashes live in the tree beside vLLM's block hashes: a domain prefix keeps them apart.
@@ -192,12 +198,19 @@ class PartialTails:
     Owns only the index of tails; the slots, locks and eviction are the tree's."""
 
     def __init__(
-        self, layout: HybridLayout, tree: HybridRadixTree, counters: SchedulerCounters
+        self,
+        layout: HybridLayout,
+        tree: HybridRadixTree,
+        counters: SchedulerCounters,
+        blocks_written_first: bool = False,
     ) -> None:
         self.layout = layout
         self.tree = tree
         self.counters = counters
         self.index = TailIndex()
+        # The model runner writes a step's new blocks before the tails' copy (Model Runner V2
+        # without himamba's step-start hook): see ``drop_overwritten``.
+        self.blocks_written_first = blocks_written_first
 
     def keep(
         self,
@@ -245,6 +258,33 @@ class PartialTails:
         self.index.add(partition, hashes[p - 1], tail, length)
         self.counters.tails_stored += 1
         return True
+
+    def drop_overwritten(self, plan: StepPlan, scheduler_output: SchedulerOutput) -> None:
+        """Give up the planned tails whose blocks ``scheduler_output`` hands to a request, when
+        the runner writes those before the tails' copy (Model Runner V2 without himamba's
+        step-start hook zeroes a step's new blocks, applies block copies and moves Mamba
+        states into them before the connector's first hook). V1, and V2 with the hook, copy
+        first, so a tail is read before its blocks change."""
+        if not plan.early_stores or not self.blocks_written_first:
+            return
+        plan.tails_screened = True
+        handed = blocks_handed_out(scheduler_output)
+        kv, mamba = plan.kv_stores, plan.mamba_stores
+        n = plan.early_stores
+        lost = {
+            i
+            for i in range(n)
+            if any(c[i] in handed for c in kv.blocks) or any(c[i] in handed for c in mamba.blocks)
+        }
+        if not lost:
+            return
+        self.tree.complete_store(
+            [kv.slots[i] for i in sorted(lost)], [mamba.slots[i] for i in sorted(lost)], ok=False
+        )
+        keep = [i for i in range(len(kv)) if i not in lost]
+        plan.kv_stores, plan.mamba_stores = kv.select(keep), mamba.select(keep)
+        plan.early_stores = n - len(lost)
+        self.counters.tails_overwritten += len(lost)
 
     def drop_planned(self, plan: StepPlan) -> None:
         """Forget the tails ``plan`` would copy (a reset before it is sent): their bytes are
@@ -300,6 +340,21 @@ class PartialTails:
         if result.host_num_blocks != p + 1:
             return None  # evicted (or part of it only in storage)
         return result, (p - start) * bs + hit.length
+
+
+def blocks_handed_out(so: SchedulerOutput) -> set[int]:
+    """Every block id ``so`` gives a request (new requests' tables, blocks appended to running
+    or resumed ones), zeroes, or copies into: what a runner may write before its first hook.
+    Block ids are the pool's, shared by all groups."""
+    handed = set(so.new_block_ids_to_zero or ())
+    for new in so.scheduled_new_reqs:
+        for ids in new.block_ids:
+            handed.update(ids)
+    for groups in so.scheduled_cached_reqs.new_block_ids:
+        for ids in groups or ():
+            handed.update(ids)
+    handed.update(copy[1] for copy in so.kv_cache_block_copies or ())  # (src, dst)
+    return handed
 
 
 def _column(

@@ -117,3 +117,14 @@ def partial_tails_allowed(vllm_config: VllmConfig, config: HiMambaConfig) -> HiM
         return config
     logger.warning("himamba: partial_tail_hits turned off: speculative decoding is on")
     return replace(config, partial_tail_hits=False)
+
+
+def model_runner_v2(vllm_config: VllmConfig) -> bool:
+    """Does this engine run vLLM's Model Runner V2 (``vllm/v1/worker/gpu``, a GPU engine's
+    default where Triton is present)? It writes a step's new blocks before the connector's
+    first worker hook, where V1 (the CPU platform's) calls that hook first (see
+    ``runner_v2_hook``)."""
+    try:
+        return bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except Exception:  # noqa: BLE001 - unknown: assume the order that needs the care
+        return True

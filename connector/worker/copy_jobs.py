@@ -3,10 +3,13 @@
 Why stores may run past ``wait_for_save``: the forward of the next step is what could
 overwrite a source block (a freed block handed to another request, a preempted request's
 blocks, a Mamba block vLLM stops retaining). The worker fences at the first worker hook of
-every step (``handle_preemptions``, before vLLM zeroes or copies any block): on CPU it calls
-``wait_stores``, so no block is ever rewritten while a store reads it, whatever freed it. On a
-GPU the engine already orders this on the device (the compute stream waits for the copy
-event), so the fence there only reaps what completed and never blocks the CPU.
+every step (``handle_preemptions``, which Model Runner V1 calls before it zeroes or copies any
+block): on CPU it calls ``wait_stores``, so no block is ever rewritten while a store reads it,
+whatever freed it. Model Runner V2 zeroes and copies before that hook, so there the fence runs
+from himamba's step-start hook (``vllm_fixups.runner_v2_hook``), or, without it, a CPU worker
+waits at the end of ``wait_for_save`` (``WorkerHalf.blocks_written_first``). On a GPU
+the engine already orders this on the device (the compute stream waits for the copy event),
+so the fence there only reaps what completed and never blocks the CPU.
 
 Host slots become readable (storage writes, and through the scheduler, loads) only after their
 store completed: completed stores are handed back by ``reap_stores`` and only then given to

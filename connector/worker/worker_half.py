@@ -82,6 +82,13 @@ class WorkerHalf:
         self._engine_idle = False
         # The plan whose storage prelude already ran this step (early stores run it first).
         self._prelude_of: StepPlan | None = None
+        # vLLM's runner writes the next step's new blocks before our first hook (Model Runner
+        # V2 without our step-start hook): a copy engine the device does not order must
+        # finish stores within the step.
+        self.blocks_written_first = False
+        # Model Runner V2 with our hook: ``step_start`` must have run before ``first_hook``.
+        self.step_hook = False
+        self._started: StepPlan | None = None
         self.counters = CopyCounters()
         # Per-operation observations for the Prometheus histograms (connector.stats drains it).
         self.recorder = StatsRecorder()
@@ -270,6 +277,36 @@ class WorkerHalf:
         plans.append(self.mamba.plan_restore([[b] for b in job.mamba_blocks], [job.mamba_slot]))
         return plans
 
+    def step_start(self, plan: StepPlan | None) -> None:
+        """Before vLLM rewrites any block this step: the last step's stores have read their
+        blocks, and this plan's partial tails are copied."""
+        self.fence()
+        if plan is not None:
+            self.run_early_stores(plan)
+        self._started = plan
+
+    def first_hook(self, plan: StepPlan | None) -> None:
+        """``handle_preemptions``: the step start, unless V2's hook ran it for this plan."""
+        started, self._started = self._started, None
+        if self.step_hook:
+            if plan is not None and started is not plan and plan.early_stores:
+                # The hook did not run before vLLM's block writes this step: a tail copied now
+                # could hold another request's bytes. A vLLM whose runner changed shape.
+                raise RuntimeError(
+                    "himamba: Model Runner V2 reached handle_preemptions without the step-start "
+                    "hook; set HIMAMBA_V2_STEP_HOOK=0 (partial tails then stay exact)"
+                )
+            if started is plan and plan is not None:
+                return
+        elif self.blocks_written_first and plan is not None and plan.early_stores:
+            if not plan.tails_screened:
+                # The scheduler believed V2's hook was here: its tails' blocks may be rewritten.
+                raise RuntimeError(
+                    "himamba: the scheduler planned partial tails for a Model Runner V2 worker "
+                    "without the step-start hook; set HIMAMBA_V2_STEP_HOOK=0 for every process"
+                )
+        self.step_start(plan)
+
     def run_early_stores(self, plan: StepPlan) -> None:
         """Copy the plan's early stores (partial tails) now, in the step's first hook: their
         blocks are vLLM's again and may be zeroed or rewritten later in this very step. On CPU
@@ -283,10 +320,16 @@ class WorkerHalf:
         self.fence()
 
     def run_stores(self, plan: StepPlan) -> None:
-        """Submit this step's device -> host copies; they complete off the step (see fence)."""
+        """Submit this step's device -> host copies; they complete off the step (see fence),
+        except where the runner zeroes the next step's new blocks (possibly these) before
+        the fence in its first hook and no device stream orders the two: then they complete
+        here."""
         _, kv = plan.kv_stores.split(plan.early_stores)
         _, mamba = plan.mamba_stores.split(plan.early_stores)
         self._submit_stores(kv, mamba, plan.epoch)
+        assert self.copies is not None
+        if self.blocks_written_first and not self.copies.engine.overlaps_compute:
+            self.fence()
 
     def _submit_stores(self, kv_stores: StoreBatch, mamba_stores: StoreBatch, epoch: str) -> None:
         assert self.kv_pool is not None and self.mamba is not None and self.copies is not None

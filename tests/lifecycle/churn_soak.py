@@ -55,6 +55,9 @@ STORE_DIRS = ("store-a", "store-b", "store-c")
 class ChurnVariant:
     write_policy: str
     async_scheduling: bool = False
+    # vLLM's Model Runner V2 call order (a GPU engine's default; see runner.StandInRunner).
+    model_runner_v2: bool = False
+    v2_step_hook: bool = True  # with V2: himamba's step-start hook (False: its fallback)
     kv_slots: int = CHURN_KV_SLOTS
     mamba_slots: int = CHURN_MAMBA_SLOTS
     # Fewer requests in flight than the plain soak's 96: with 6 Mamba slots, 96 requests
@@ -73,8 +76,11 @@ class ChurnVariant:
 
     @property
     def name(self) -> str:
-        tags = ("+async" if self.async_scheduling else "") + (
-            "+tails" if self.partial_tails else ""
+        tags = (
+            ("+async" if self.async_scheduling else "")
+            + ("+v2" if self.model_runner_v2 else "")
+            + ("-nohook" if self.model_runner_v2 and not self.v2_step_hook else "")
+            + ("+tails" if self.partial_tails else "")
         )
         return self.write_policy + tags
 
@@ -103,7 +109,13 @@ class ChurnReport:
         """Next turns sent and the connector's partial-tail counters."""
         stats = self.result.connector_stats if self.result else {}
         out = {"next_turns": self.result.next_turns if self.result else 0}
-        for name in ("tails_stored", "tail_hits", "storage_tails_seen"):
+        for name in (
+            "tails_stored",
+            "tails_unnamed",
+            "tails_overwritten",
+            "tail_hits",
+            "storage_tails_seen",
+        ):
             out[name] = int(stats.get(name, 0))
         return out
 
@@ -201,6 +213,8 @@ def run_churn_soak(
             max_num_batched_tokens=2048,
             max_model_len=512,
             async_scheduling=variant.async_scheduling,
+            model_runner_v2=variant.model_runner_v2,
+            v2_step_hook=variant.v2_step_hook,
             connector_config=churn_connector_config(
                 f"file://{dirs[0]}",
                 variant.write_policy,

@@ -8,10 +8,12 @@ connector metadata, as vLLM's executor ships it; rank outputs are merged by vLLM
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,8 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
+
+from himamba.connector.vllm_fixups.runner_v2_hook import ENV as STEP_HOOK_ENV
 
 from .faults import worker_rank_as
 from .prefix_bytes import PrefixModel, salt_seed
@@ -37,6 +41,30 @@ from .vllm_setup import (
 )
 
 OutputFault = Callable[[int, int, KVConnectorOutput], KVConnectorOutput]
+
+
+@contextmanager
+def model_runner_v2(vllm_config: Any, spec: EngineSpec) -> Iterator[None]:
+    """Connectors built inside see vLLM's ``use_v2_model_runner`` as ``spec`` says: vLLM's own
+    environment switch, set only while they read it (the CPU build refuses to start an engine
+    with it, since V2 needs Triton; the stand-in runner follows V2's call order instead), and
+    himamba's switch for its V2 step-start hook."""
+    if not spec.model_runner_v2:
+        yield
+        return
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1", STEP_HOOK_ENV: "1" if spec.v2_step_hook else "0"}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        # vLLM caches its environment once an engine has started in this process.
+        assert vllm_config.use_v2_model_runner, "vllm.envs is cached: cannot switch runners"
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass
@@ -80,7 +108,8 @@ class LifecycleEngine:
         self.idle_sleep_s = idle_sleep_s
         self.vllm_config = make_vllm_config(spec, model_config)
         self.kv = resolve_kv_cache(spec, self.vllm_config)
-        self.scheduler = make_scheduler(self.vllm_config, self.kv)
+        with model_runner_v2(self.vllm_config, spec):
+            self.scheduler = make_scheduler(self.vllm_config, self.kv)
         self.connector = self.scheduler.connector
         assert (self.connector is not None) == spec.with_connector
         world = spec.tensor_parallel_size
@@ -100,10 +129,11 @@ class LifecycleEngine:
             mamba_state_bytes=mamba_bytes,
             registry={} if describe else None,
         )
-        self.runners = [
-            self._make_runner(rank, self.kv.worker_configs[rank], verify, write)
-            for rank in range(world)
-        ]
+        with model_runner_v2(self.vllm_config, spec):
+            self.runners = [
+                self._make_runner(rank, self.kv.worker_configs[rank], verify, write)
+                for rank in range(world)
+            ]
         self.aggregator = (
             KVOutputAggregator.from_connector(self.connector, world)
             if self.connector is not None
@@ -154,6 +184,7 @@ class LifecycleEngine:
             kv_caches=caches,
             model=self.model,
             async_scheduling=self.spec.async_scheduling,
+            model_runner_v2=self.spec.model_runner_v2,
             verify=verify,
             write=write,
         )

@@ -8,6 +8,11 @@ forward only if the step has sync loads -> CHECK -> forward -> ``start_load_kv``
 case) -> ``wait_for_save`` -> ``get_transfer_results`` / ``get_block_ids_with_load_errors`` /
 stats / ``build_connector_worker_meta`` -> clear.
 
+Model Runner V2 (``vllm/v1/worker/gpu``, a GPU engine's default) moves the first hook: state
+update -> Mamba pre-copy -> ``pre_forward`` (``handle_preemptions``, bind, sync loads) -> the
+rest as above. Its new blocks are zeroed and written before the connector sees the step,
+unless himamba's step-start hook (which wraps V2's ``execute_model``) runs first.
+
 CHECK reads every byte the forward would read: all computed attention rows of each scheduled
 request, and the Mamba running state it starts from. The forward then writes this step's
 rows and the state at the step's end into the block vLLM's align-mode table names.
@@ -75,6 +80,7 @@ class StandInRunner:
     kv_caches: dict[str, torch.Tensor]
     model: PrefixModel
     async_scheduling: bool = False
+    model_runner_v2: bool = False  # V2's call order (see the module docstring)
     verify: bool = True
     write: bool = True
     requests: dict[str, _Req] = field(default_factory=dict)
@@ -102,12 +108,16 @@ class StandInRunner:
     def execute(self, so: SchedulerOutput, metadata: Any) -> ModelRunnerOutput:
         conn = self.connector
         self.counters.steps += 1
-        if conn is not None:
+        if conn is not None and self.model_runner_v2 and conn.step_hook_installed:
+            conn.himamba_step_start(metadata)  # runner_v2_hook's wrapped execute_model
+        if conn is not None and not self.model_runner_v2:
             conn.handle_preemptions(metadata)
         self._update_states(so)
         sampled: dict[str, list[int]] = {}
         if so.total_num_scheduled_tokens:
             self._preprocess_mamba(so)
+        if conn is not None and self.model_runner_v2:
+            conn.handle_preemptions(metadata)  # ActiveKVConnector.pre_forward
         if conn is not None:
             # The real runner passes its forward context; HiMamba's hooks do not read it.
             conn.bind_connector_metadata(metadata)
@@ -149,6 +159,14 @@ class StandInRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.seeds.pop(req_id, None)
+        if self.model_runner_v2:
+            # V2 drops preempted requests; vLLM's scheduler sends them back as new ones, with
+            # every token they hold as ``prefill_token_ids``.
+            for req_id in set(so.preempted_req_ids or ()) - set(so.finished_req_ids):
+                req = self.requests.pop(req_id, None)
+                if req is not None:
+                    self.seeds[req_id] = req.chain.seed
         if so.new_block_ids_to_zero:
             ids = np.asarray(so.new_block_ids_to_zero, dtype=np.int64)
             for layers in self.layers_by_group.values():
@@ -161,7 +179,9 @@ class StandInRunner:
         for new in so.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or ())
             chain = TokenChain(self.block_size, self.seeds.pop(new.req_id))
-            chain.append(prompt)
+            # V2 sends every token a request holds (a resumed one's outputs included).
+            held = getattr(new, "prefill_token_ids", None) if self.model_runner_v2 else None
+            chain.append(prompt if held is None else list(held))
             self.requests[new.req_id] = _Req(
                 chain, len(prompt), [list(b) for b in new.block_ids], new.num_computed_tokens
             )

@@ -88,6 +88,48 @@ def test_a_step_does_not_wait_for_its_stores_and_the_next_step_fences_them(
     assert_no_leaks(engine)
 
 
+@pytest.mark.parametrize("hook", [True, False], ids=["step_hook", "no_hook"])
+def test_under_model_runner_v2_no_store_reads_a_block_vllm_updates(make_engine, hook):
+    """Model Runner V2 (a GPU engine's default) zeroes and copies the next step's new blocks
+    before the connector's first hook. himamba's step-start hook (wrapping V2's
+    ``execute_model``) fences the last step's stores before that; without it
+    (HIMAMBA_V2_STEP_HOOK=0), where no device stream orders the copies (this CPU copy engine),
+    the step that submits stores waits for them. Either way none is still reading when vLLM
+    next updates blocks, and the bytes are exact."""
+    engine = make_engine(
+        model_runner_v2=True, v2_step_hook=hook, connector_config=connector_config()
+    )
+    assert engine.runners[0].connector.step_hook_installed == hook
+    runner = engine.runners[0]
+    real_update = runner._update_states
+    in_flight_at_update: list[set[int]] = []
+
+    def update_states(so):  # noqa: ANN001, ANN202
+        in_flight_at_update.append(set(_worker(engine).copies.store_jobs()))
+        return real_update(so)
+
+    runner._update_states = update_states
+    prompt = prompt_of(63, 80)
+    with held_first_store() as (started, release):
+
+        def release_later() -> None:
+            if started.wait(30):
+                time.sleep(0.3)
+            release.set()
+
+        releaser = threading.Thread(target=release_later)
+        releaser.start()
+        engine.add_request("a", prompt, max_tokens=3)
+        engine.run_until_idle()
+        releaser.join()
+    runner._update_states = real_update
+    assert started.is_set(), "no store was ever submitted"
+    assert len(in_flight_at_update) > 3
+    assert not any(in_flight_at_update), "blocks were updated with a store still copying"
+    assert_host_tier_replays(engine, "b", prompt, like="a", host_tokens=64)
+    assert_no_leaks(engine)
+
+
 def test_write_through_lands_in_storage_without_another_request(make_engine, store_url):
     engine = make_engine(connector_config=connector_config(store_url))
     engine.add_request("a", prompt_of(62, 80), max_tokens=3)

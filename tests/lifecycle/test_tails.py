@@ -5,18 +5,36 @@ would produce (the runner checks every byte it reads)."""
 
 from __future__ import annotations
 
+import pytest
+
 from .conftest import connector_config
 from .faults import StorageFaults, faulty_storage
 from .leaks import assert_no_leaks
 from .workload import prompt_of, waiting_on_connector
 
 
-def test_tail_blocks_go_back_at_once_and_are_copied_before_reuse(make_engine):
+@pytest.mark.parametrize(
+    "v2,hook",
+    [(False, False), (True, True), (True, False)],
+    ids=["runner_v1", "runner_v2", "runner_v2-no_hook"],
+)
+def test_tail_blocks_go_back_at_once_and_are_copied_before_reuse(make_engine, v2, hook):
+    """vLLM has a finished request's blocks back at once, and reuses a partly filled block
+    first: a newcomer takes them in the very step that copies the tail. Model Runner V1 calls
+    the connector's first hook before it zeroes the newcomer's blocks, and V2 (a GPU engine's
+    default) calls himamba's step-start hook before it does: the tail is copied first. V2
+    without that hook (HIMAMBA_V2_STEP_HOOK=0) zeroes them first: the tail would be the
+    newcomer's zeros, so it is given up and the next turn hits to the last full block. Either
+    way every byte read back is a's."""
+    lost = v2 and not hook
     engine = make_engine(
         num_gpu_blocks=20,
         max_model_len=256,
+        model_runner_v2=v2,
+        v2_step_hook=hook,
         connector_config=connector_config(partial_tail_hits=True),
     )
+    assert engine.runners[0].connector.step_hook_installed == hook
     pool = engine.scheduler.kv_cache_manager.block_pool
     free_at_start = pool.get_num_free_blocks()
     bs = engine.kv.block_size
@@ -29,25 +47,28 @@ def test_tail_blocks_go_back_at_once_and_are_copied_before_reuse(make_engine):
     assert "a" not in engine.scheduler.requests
     assert pool.get_num_free_blocks() == free_at_start
     # ...and a request arriving now takes some of them in the very step that copies the tail:
-    # vLLM zeroes them and the forward writes them after the copy (the tail's bytes, read
-    # back below, would be the newcomer's otherwise).
+    # vLLM zeroes them and the forward writes them.
     engine.add_request("x", prompt_of(5, 16 * bs - 2), max_tokens=1)
     engine.step()
     assert free_at_start - pool.get_num_free_blocks() > free_at_start - used_by_a
-    assert engine.connector.stats()["tails_stored"] == 1
+    stats = engine.connector.stats()
+    assert stats["tails_stored"] == 1
+    assert stats["tails_overwritten"] == int(lost), stats
     engine.run_until_idle()
 
-    # The next turn (prompt, answer, new message) hits every token "a" computed, from the CPU
-    # tier once vLLM's own copy is gone, and continues as a recompute would.
+    # The next turn (prompt, answer, new message) hits every token "a" computed (or, lost, to
+    # its last full block), from the CPU tier once vLLM's own copy is gone, and continues as a
+    # recompute would.
     assert engine.scheduler.reset_prefix_cache()
     turn = prompt + engine.records["a"].output + prompt_of(2, 7)
     engine.add_request("b", turn, max_tokens=3)
     engine.run_until_idle()
     computed = len(prompt) + 1  # the last sampled token was never run through the model
     assert computed % bs
-    assert engine.lookups["b"][-1] == (computed, True), engine.lookups["b"]
-    assert engine.hits.host == computed, engine.hits
-    assert engine.connector.stats()["tail_hits"] == 1
+    hit = computed - computed % bs if lost else computed
+    assert engine.lookups["b"][-1] == (hit, True), engine.lookups["b"]
+    assert engine.hits.host == hit, engine.hits
+    assert engine.connector.stats()["tail_hits"] == int(not lost)
     assert engine.records["b"].finish is not None and len(engine.records["b"].output) == 3
     assert_no_leaks(engine)
 
@@ -218,3 +239,19 @@ def test_tail_in_the_slot_of_a_fetch_given_up_the_same_step(make_engine, store_u
         engine.run_until_idle()  # the runner raises if the tail's bytes are not a's
         assert engine.lookups["a-next"][-1] == (computed, True), engine.lookups["a-next"]
         assert_no_leaks(engine)
+
+
+def test_v2_worker_without_the_hook_refuses_tails_planned_for_one_with_it(make_engine):
+    """The scheduler process plans tails for V2 workers with the step-start hook; a worker
+    where it could not be installed (another wrapper took V2's ``execute_model`` first, say)
+    must fail loudly on such a plan rather than copy blocks vLLM may have zeroed."""
+    engine = make_engine(
+        model_runner_v2=True, connector_config=connector_config(partial_tail_hits=True)
+    )
+    conn = engine.runners[0].connector
+    conn.step_hook_installed = conn.worker.step_hook = False  # the install failed here
+    conn.worker.blocks_written_first = True
+    bs = engine.kv.block_size
+    engine.add_request("a", prompt_of(1, 3 * bs + 5), max_tokens=2)
+    with pytest.raises(RuntimeError, match="HIMAMBA_V2_STEP_HOOK=0"):
+        engine.run_until_idle()

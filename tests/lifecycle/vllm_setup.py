@@ -69,6 +69,13 @@ class EngineSpec:
     max_num_batched_tokens: int = 256
     max_model_len: int = 1024
     async_scheduling: bool = False
+    # vLLM's Model Runner V2 (a GPU engine's default where Triton is present; the CPU build
+    # cannot run it): it zeroes a step's new blocks, applies block copies and moves Mamba
+    # states before the connector's first worker hook, where V1 calls that hook first.
+    model_runner_v2: bool = False
+    # With V2: himamba's step-start hook (connector.vllm_fixups.runner_v2_hook), which the
+    # stand-in runner calls where the wrapped ``execute_model`` would; False: the fallback.
+    v2_step_hook: bool = True
     tensor_parallel_size: int = 1
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     # Passed verbatim as kv_connector_extra_config (cpu_cache_gb, storage, ...).
