@@ -148,8 +148,11 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config,
                 kv_slots,
                 mamba_slots,
-                # Without V2's step-start hook, tails whose blocks a step hands out are lost.
-                blocks_written_first=v2 and not step_hook_available(),
+                # Without V2's step-start hook, tails whose blocks a step hands out are lost
+                # (asked only with tails on: it imports V2's runner into this process).
+                blocks_written_first=(
+                    v2 and self.config.partial_tail_hits and not step_hook_available()
+                ),
             )
             control = SchedulerControl(
                 self.scheduler, vllm_config, self.layout, scfg, self._acking_workers
