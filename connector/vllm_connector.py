@@ -123,8 +123,6 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats: SchedulerStats | WorkerStats | None = None
         self._events: KVEventTracker | None = None
         self._block_size_guard: BlockSizeGuard | None = None
-        # This worker's runner calls ``himamba_step_start`` before it writes any block.
-        self.step_hook_installed = False
         try:
             self.layout = build_layout(vllm_config, kv_cache_config)
         except UnsupportedLayout as exc:
@@ -143,17 +141,11 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             self._block_size_guard = BlockSizeGuard(vllm_config, self.layout.block_size)
             retain_decode_states(vllm_config, kv_cache_config, self.config, self.layout)
             self.config = partial_tails_allowed(vllm_config, self.config)
-            self.scheduler = SchedulerHalf(
-                self.layout,
-                self.config,
-                kv_slots,
-                mamba_slots,
+            self.scheduler = SchedulerHalf(self.layout, self.config, kv_slots, mamba_slots)
+            if self.scheduler.tails is not None and v2:
                 # Without V2's step-start hook, tails whose blocks a step hands out are lost
                 # (asked only with tails on: it imports V2's runner into this process).
-                blocks_written_first=(
-                    v2 and self.config.partial_tail_hits and not step_hook_available()
-                ),
-            )
+                self.scheduler.tails.blocks_written_first = not step_hook_available()
             control = SchedulerControl(
                 self.scheduler, vllm_config, self.layout, scfg, self._acking_workers
             )
@@ -162,9 +154,8 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             self._control = control
         else:
             self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots, None, worker_rank())
-            self.step_hook_installed = v2 and install_step_hook()
-            self.worker.step_hook = self.step_hook_installed
-            self.worker.blocks_written_first = v2 and not self.step_hook_installed
+            self.worker.step_hook = v2 and install_step_hook()
+            self.worker.blocks_written_first = v2 and not self.worker.step_hook
             self._control = WorkerControl(self.worker, vllm_config, self.layout, scfg)
             if scfg is not None:  # opened by register_kv_caches, once the host pools exist
                 self._control.attach_at_start(scfg)
@@ -300,10 +291,16 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.register(kv_caches)
 
+    @property
+    def step_hook_installed(self) -> bool:
+        """This worker's runner calls ``himamba_step_start`` before it writes any block."""
+        return self.worker is not None and self.worker.step_hook
+
     def himamba_step_start(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Called by the Model Runner V2 hook (``runner_v2_hook``) before V2 zeroes or copies
         any block of the step: what ``handle_preemptions`` does under V1."""
-        if self.worker is not None and self.step_hook_installed:
+        if self.step_hook_installed:
+            assert self.worker is not None
             self.worker.step_start(_plan_of(kv_connector_metadata))
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

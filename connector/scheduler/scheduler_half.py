@@ -38,7 +38,7 @@ from himamba.connector.scheduler.host_stores import HostStores, block_hashes, re
 from himamba.connector.scheduler.lora_identity import LoraTags
 from himamba.connector.scheduler.storage_planner import StoragePlanner
 from himamba.connector.scheduler.tails import PartialTails
-from himamba.connector.tree import HybridRadixTree, MatchResult
+from himamba.connector.tree import HybridRadixTree, MatchResult, invariants_hold
 from himamba.tiers.byte_store import ByteStore
 from himamba.tiers.storage_config import StorageConfig
 
@@ -65,7 +65,6 @@ class SchedulerHalf:
         kv_slots: int,
         mamba_slots: int,
         storage: StoragePlanner | None = None,
-        blocks_written_first: bool = False,
     ) -> None:
         self.layout = layout
         self.config = config

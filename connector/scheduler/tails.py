@@ -198,19 +198,15 @@ class PartialTails:
     Owns only the index of tails; the slots, locks and eviction are the tree's."""
 
     def __init__(
-        self,
-        layout: HybridLayout,
-        tree: HybridRadixTree,
-        counters: SchedulerCounters,
-        blocks_written_first: bool = False,
+        self, layout: HybridLayout, tree: HybridRadixTree, counters: SchedulerCounters
     ) -> None:
         self.layout = layout
         self.tree = tree
         self.counters = counters
         self.index = TailIndex()
         # The model runner writes a step's new blocks before the tails' copy (Model Runner V2
-        # without himamba's step-start hook): see ``drop_overwritten``.
-        self.blocks_written_first = blocks_written_first
+        # without himamba's step-start hook; the connector sets it): see ``drop_overwritten``.
+        self.blocks_written_first = False
 
     def keep(
         self,

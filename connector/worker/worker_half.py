@@ -288,18 +288,17 @@ class WorkerHalf:
     def first_hook(self, plan: StepPlan | None) -> None:
         """``handle_preemptions``: the step start, unless V2's hook ran it for this plan."""
         started, self._started = self._started, None
-        if self.step_hook:
-            if plan is not None and started is not plan and plan.early_stores:
+        if self.step_hook and plan is not None and started is plan:
+            return
+        if plan is not None and plan.early_stores:
+            if self.step_hook:
                 # The hook did not run before vLLM's block writes this step: a tail copied now
                 # could hold another request's bytes. A vLLM whose runner changed shape.
                 raise RuntimeError(
                     "himamba: Model Runner V2 reached handle_preemptions without the step-start "
                     "hook; set HIMAMBA_V2_STEP_HOOK=0 (partial tails then stay exact)"
                 )
-            if started is plan and plan is not None:
-                return
-        elif self.blocks_written_first and plan is not None and plan.early_stores:
-            if not plan.tails_screened:
+            if self.blocks_written_first and not plan.tails_screened:
                 # The scheduler believed V2's hook was here: its tails' blocks may be rewritten.
                 raise RuntimeError(
                     "himamba: the scheduler planned partial tails for a Model Runner V2 worker "

@@ -249,7 +249,7 @@ def test_v2_worker_without_the_hook_refuses_tails_planned_for_one_with_it(make_e
         model_runner_v2=True, connector_config=connector_config(partial_tail_hits=True)
     )
     conn = engine.runners[0].connector
-    conn.step_hook_installed = conn.worker.step_hook = False  # the install failed here
+    conn.worker.step_hook = False  # the install failed here
     conn.worker.blocks_written_first = True
     bs = engine.kv.block_size
     engine.add_request("a", prompt_of(1, 3 * bs + 5), max_tokens=2)
