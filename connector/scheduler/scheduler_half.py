@@ -90,9 +90,7 @@ class SchedulerHalf:
         self._writes: list[StorageWrite] = []
         self.stores = HostStores(layout, config, self.tree, self.counters, self.lora)
         self.tails = (
-            PartialTails(layout, self.tree, self.counters, blocks_written_first)
-            if config.partial_tail_hits
-            else None
+            PartialTails(layout, self.tree, self.counters) if config.partial_tail_hits else None
         )
         # KV-cache events for routers (kv_events.KVEventTracker); None unless vLLM publishes.
         self._events: KVEventTracker | None = None
@@ -423,20 +421,12 @@ class SchedulerHalf:
 
     def leak_report(self) -> dict[str, int | bool]:
         """What is still held; all zero (and conserved) once the engine is idle."""
-        from himamba.connector.tree import check_invariants
-
-        try:
-            check_invariants(self.tree)
-            conserved = True
-        except AssertionError as exc:
-            logger.error("himamba: tree invariant broken: %s", exc)
-            conserved = False
         report: dict[str, int | bool] = {
             **self.hits.leak_report(),
             "tracked_requests": len(self.stores),
             "locked_entries": len(self.tree.handles),
             "pending_stores": self.tree.stats()["pending_stores"],
-            "slots_conserved": conserved,
+            "slots_conserved": invariants_hold(self.tree),
         }
         if self.storage is not None:
             report.update(self.storage.leak_report())

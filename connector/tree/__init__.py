@@ -8,7 +8,7 @@ modules are its parts, one concern each: ``node`` (a run of blocks and its tier 
 and lock handles) and ``invariants`` (the checker the tests run).
 """
 
-from .invariants import check_invariants
+from .invariants import check_invariants, invariants_hold
 from .node import ALL_TIERS, GPU, HOST, LOADABLE, NO_SLOT, PENDING, STORAGE
 from .results import LockHandle, MatchResult, StoreCursor
 from .slot_allocator import SlotAllocator
@@ -28,4 +28,5 @@ __all__ = [
     "SlotAllocator",
     "StoreCursor",
     "check_invariants",
+    "invariants_hold",
 ]

@@ -11,6 +11,7 @@ O(tree size): call it in tests and leak reports, not per request.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from .eviction import QUEUED, kv_evictable, mamba_evictable, trimmable
@@ -21,10 +22,22 @@ if TYPE_CHECKING:
     from .slot_allocator import SlotAllocator
     from .tree import HybridRadixTree
 
+logger = logging.getLogger(__name__)
+
 
 def _check(cond: bool, invariant: str, detail: object) -> None:
     if not cond:
         raise AssertionError(f"invariant violated [{invariant}]: {detail}")
+
+
+def invariants_hold(tree: HybridRadixTree) -> bool:
+    """``check_invariants`` for a report: False (the violation logged) instead of raising."""
+    try:
+        check_invariants(tree)
+    except AssertionError as exc:
+        logger.error("himamba: tree invariant broken: %s", exc)
+        return False
+    return True
 
 
 def check_invariants(tree: HybridRadixTree) -> None:
