@@ -45,7 +45,7 @@ from himamba.connector.vllm_fixups.engine_config import (
 from himamba.connector.vllm_fixups.runner_v2_hook import install_step_hook, step_hook_available
 from himamba.connector.worker.ranks import worker_rank
 from himamba.connector.worker.storage_control import WorkerControl
-from himamba.connector.worker.worker_half import WorkerHalf
+from himamba.connector.worker.worker_half import RunnerOrder, WorkerHalf
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -154,8 +154,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
             self._control = control
         else:
             self.worker = WorkerHalf(self.layout, kv_slots, mamba_slots, None, worker_rank())
-            self.worker.step_hook = v2 and install_step_hook()
-            self.worker.blocks_written_first = v2 and not self.worker.step_hook
+            self.worker.runner_order = RunnerOrder.of(v2, v2 and install_step_hook())
             self._control = WorkerControl(self.worker, vllm_config, self.layout, scfg)
             if scfg is not None:  # opened by register_kv_caches, once the host pools exist
                 self._control.attach_at_start(scfg)
@@ -294,7 +293,7 @@ class HiMambaConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def step_hook_installed(self) -> bool:
         """This worker's runner calls ``himamba_step_start`` before it writes any block."""
-        return self.worker is not None and self.worker.step_hook
+        return self.worker is not None and self.worker.runner_order is RunnerOrder.STEP_HOOK
 
     def himamba_step_start(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Called by the Model Runner V2 hook (``runner_v2_hook``) before V2 zeroes or copies

@@ -7,7 +7,7 @@ every step (``handle_preemptions``, which Model Runner V1 calls before it zeroes
 block): on CPU it calls ``wait_stores``, so no block is ever rewritten while a store reads it,
 whatever freed it. Model Runner V2 zeroes and copies before that hook, so there the fence runs
 from himamba's step-start hook (``vllm_fixups.runner_v2_hook``), or, without it, a CPU worker
-waits at the end of ``wait_for_save`` (``WorkerHalf.blocks_written_first``). On a GPU
+waits at the end of ``wait_for_save`` (``RunnerOrder.BLOCKS_FIRST``). On a GPU
 the engine already orders this on the device (the compute stream waits for the copy event),
 so the fence there only reaps what completed and never blocks the CPU.
 

@@ -11,6 +11,7 @@ the copies share the cores, within the step; on a GPU when their event fired).
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -52,6 +53,26 @@ IDLE_YIELD_S = 0.0005
 logger = logging.getLogger(__name__)
 
 
+class RunnerOrder(enum.Enum):
+    """When vLLM's model runner writes a step's new blocks (zeroing, CoW and Mamba copies)
+    relative to our first hook of the step, which fences stores and copies partial tails."""
+
+    # Model Runner V1: ``handle_preemptions`` comes before any block write.
+    HOOK_FIRST = "v1"
+    # Model Runner V2 with our step-start hook (``runner_v2_hook``): it runs ``step_start``
+    # before V2's body, and ``handle_preemptions`` then skips what already ran.
+    STEP_HOOK = "v2+step-hook"
+    # Model Runner V2 without it: blocks are written first, so a copy engine the device does
+    # not order finishes stores within the step, and tails arrive screened by the scheduler.
+    BLOCKS_FIRST = "v2"
+
+    @classmethod
+    def of(cls, runner_v2: bool, hook_installed: bool) -> RunnerOrder:
+        if not runner_v2:
+            return cls.HOOK_FIRST
+        return cls.STEP_HOOK if hook_installed else cls.BLOCKS_FIRST
+
+
 class WorkerHalf:
     def __init__(
         self,
@@ -82,12 +103,8 @@ class WorkerHalf:
         self._engine_idle = False
         # The plan whose storage prelude already ran this step (early stores run it first).
         self._prelude_of: StepPlan | None = None
-        # vLLM's runner writes the next step's new blocks before our first hook (Model Runner
-        # V2 without our step-start hook): a copy engine the device does not order must
-        # finish stores within the step.
-        self.blocks_written_first = False
-        # Model Runner V2 with our hook: ``step_start`` must have run before ``first_hook``.
-        self.step_hook = False
+        # Set by the connector from vLLM's config and whether the V2 hook went in.
+        self.runner_order = RunnerOrder.HOOK_FIRST
         self._started: StepPlan | None = None
         self.counters = CopyCounters()
         # Per-operation observations for the Prometheus histograms (connector.stats drains it).
@@ -288,17 +305,18 @@ class WorkerHalf:
     def first_hook(self, plan: StepPlan | None) -> None:
         """``handle_preemptions``: the step start, unless V2's hook ran it for this plan."""
         started, self._started = self._started, None
-        if self.step_hook and plan is not None and started is plan:
+        order = self.runner_order
+        if order is RunnerOrder.STEP_HOOK and plan is not None and started is plan:
             return
         if plan is not None and plan.early_stores:
-            if self.step_hook:
+            if order is RunnerOrder.STEP_HOOK:
                 # The hook did not run before vLLM's block writes this step: a tail copied now
                 # could hold another request's bytes. A vLLM whose runner changed shape.
                 raise RuntimeError(
                     "himamba: Model Runner V2 reached handle_preemptions without the step-start "
                     "hook; set HIMAMBA_V2_STEP_HOOK=0 (partial tails then stay exact)"
                 )
-            if self.blocks_written_first and not plan.tails_screened:
+            if order is RunnerOrder.BLOCKS_FIRST and not plan.tails_screened:
                 # The scheduler believed V2's hook was here: its tails' blocks may be rewritten.
                 raise RuntimeError(
                     "himamba: the scheduler planned partial tails for a Model Runner V2 worker "
@@ -327,7 +345,10 @@ class WorkerHalf:
         _, mamba = plan.mamba_stores.split(plan.early_stores)
         self._submit_stores(kv, mamba, plan.epoch)
         assert self.copies is not None
-        if self.blocks_written_first and not self.copies.engine.overlaps_compute:
+        if (
+            self.runner_order is RunnerOrder.BLOCKS_FIRST
+            and not self.copies.engine.overlaps_compute
+        ):
             self.fence()
 
     def _submit_stores(self, kv_stores: StoreBatch, mamba_stores: StoreBatch, epoch: str) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from himamba.connector.worker.worker_half import RunnerOrder
+
 from .conftest import connector_config
 from .faults import StorageFaults, faulty_storage
 from .leaks import assert_no_leaks
@@ -249,8 +251,7 @@ def test_v2_worker_without_the_hook_refuses_tails_planned_for_one_with_it(make_e
         model_runner_v2=True, connector_config=connector_config(partial_tail_hits=True)
     )
     conn = engine.runners[0].connector
-    conn.worker.step_hook = False  # the install failed here
-    conn.worker.blocks_written_first = True
+    conn.worker.runner_order = RunnerOrder.BLOCKS_FIRST  # the install failed here
     bs = engine.kv.block_size
     engine.add_request("a", prompt_of(1, 3 * bs + 5), max_tokens=2)
     with pytest.raises(RuntimeError, match="HIMAMBA_V2_STEP_HOOK=0"):
