@@ -29,8 +29,11 @@ for _key, _value in CPU_ENGINE_ENV.items():
 
 from tests.harness.tiny_models import (  # noqa: E402
     DEFAULT_CACHE_DIR,
+    build_falcon_h1,
     build_granite_hybrid,
     build_granite_hybrid_wide_state,
+    build_jamba,
+    build_nemotron_h,
     build_qwen3_next,
 )
 
@@ -69,3 +72,23 @@ def qwen3next_model(model_cache_dir: Path) -> Path:
     ``dtype="auto"`` (the server default) work.
     """
     return build_qwen3_next(model_cache_dir, dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def falcon_h1_model(model_cache_dir: Path) -> Path:
+    """Tiny Falcon-H1 (attention and Mamba2 in the same layers, fp32, random weights)."""
+    return build_falcon_h1(model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def jamba_model(model_cache_dir: Path) -> Path:
+    """Tiny Jamba (Mamba1 + attention, MoE, fp32): on vLLM's CPU build it runs through
+    cpu_compat's Mamba1 scan and decode (``vllm_fixups.cpu_mamba1_scan``)."""
+    return build_jamba(model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def nemotron_h_model(model_cache_dir: Path) -> Path:
+    """Tiny Nemotron-H (Mamba2, MLP-only and attention layers; bf16 weights, so the engine can
+    keep SSM states in float32 beside bf16 conv states, as Nemotron deployments do)."""
+    return build_nemotron_h(model_cache_dir, dtype="bfloat16")

@@ -1,7 +1,7 @@
 """vLLM general plugin: make hybrids with prefix caching exact on vLLM's CPU platform.
 
-Two targeted fixes, each applied only on the CPU platform: Mamba2 prefill checkpoints, and the
-rotary embedding of 3-D query/key tensors (LFM2).
+Three targeted fixes, each applied only on the CPU platform: Mamba2 prefill checkpoints, Mamba1's
+missing prefill scan (Jamba), and the rotary embedding of 3-D query/key tensors (LFM2).
 
 Mamba2 prefill checkpoints
 --------------------------
@@ -24,6 +24,13 @@ scheduler falls back to plain align mode, every prefill chunk ends on a block bo
 step more for a prompt whose last chunk crosses one), and the state at a chunk end is exactly
 the cached state, which the CPU kernels do produce. Other Mamba-type layers (GDN, short-conv,
 ...) do not advertise checkpoint blocks and are left alone; GPU platforms are never touched.
+
+Mamba1 prefill scan (Jamba)
+---------------------------
+vLLM's CPU build has no ``selective_scan_fwd`` op, so every prefill of a Mamba1 layer fails with
+``AttributeError: '_OpNamespace' '_C' object has no attribute 'selective_scan_fwd'``.
+``cpu_mamba1_scan`` supplies it in torch (installed once ``mamba_mixer`` is imported, and only
+where the compiled op is missing).
 
 Rotary embedding of 3-D query/key (LFM2 / ShortConv hybrids)
 ------------------------------------------------------------
@@ -99,6 +106,7 @@ logger = logging.getLogger("vllm.himamba.cpu_compat")
 ENV_DISABLE = "HIMAMBA_CPU_COMPAT"
 ENV_NO_CHECKPOINTS = "HIMAMBA_CPU_MAMBA2_CHECKPOINTS"
 MIXER2_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
+MIXER1_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer"
 ROPE_MODULE = "vllm.model_executor.layers.rotary_embedding.base"
 _PATCH_FLAG = "_himamba_cpu_compat"
 
@@ -129,7 +137,11 @@ def register() -> None:
 
 def _patches() -> dict[str, Callable[[], bool]]:
     """Module name -> the function that patches it, for every fix this plugin applies."""
-    return {MIXER2_MODULE: patch_mamba_mixer2, ROPE_MODULE: patch_cpu_rope}
+    return {
+        MIXER2_MODULE: patch_mamba_mixer2,
+        MIXER1_MODULE: patch_mamba1_scan,
+        ROPE_MODULE: patch_cpu_rope,
+    }
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -245,6 +257,25 @@ def without_prefill_checkpoints(spec: _Spec, mamba_spec_type: type) -> _Spec:
     except (TypeError, ValueError) as exc:
         _log_once(f"cannot rewrite MambaSpec ({exc!r}); leaving it unchanged")
         return spec
+
+
+def patch_mamba1_scan() -> bool:
+    """Give the CPU build Mamba1's prefill scan (and decode layout); True when in place."""
+    from himamba.connector.vllm_fixups import cpu_mamba1_scan
+
+    try:
+        from vllm.model_executor.layers.mamba import mamba_mixer
+
+        had = cpu_mamba1_scan.is_installed(mamba_mixer)
+        done = cpu_mamba1_scan.install(mamba_mixer)
+    except Exception as exc:
+        _log_once(f"Mamba1 CPU prefill scan not installed ({exc!r})")
+        return False
+    if not done:
+        _log_once("this vLLM lacks the Mamba1 ops this fix replaces; Mamba1 CPU scan not installed")
+    elif not had and cpu_mamba1_scan.is_installed(mamba_mixer):
+        logger.info("himamba cpu_compat: Mamba1 prefill scan (selective_scan_fwd) supplied on CPU")
+    return done
 
 
 def patch_cpu_rope() -> bool:

@@ -1,8 +1,9 @@
 """End to end on a real vLLM CPU engine: prefixes served from the CPU tier are token-exact.
 
 Every comparison is against an engine with no connector at all (float32 for
-Granite, so equality is exact; Qwen3-Next's CPU GDN kernel needs bf16, and the
-hit run computes the same final chunk on the same bytes, so it is exact too).
+Granite, Falcon-H1 and Jamba, so equality is exact; Qwen3-Next's CPU GDN kernel needs bf16, and the
+hit run computes the same final chunk on the same bytes, so it is exact too). Nemotron-H runs
+bf16 with float32 SSM states (``mamba_ssm_cache_dtype``), so its state pages mix two dtypes.
 """
 
 from __future__ import annotations
@@ -16,10 +17,17 @@ from tests.harness.subprocess_run import run_scenario
 
 pytestmark = pytest.mark.e2e
 
-MODELS = {
-    # name: (fixture, dtype); the block size is read from the engine (vLLM derives it at run time)
-    "granite": ("granite_model", "float32"),
-    "qwen3next": ("qwen3next_model", "bfloat16"),
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    # name: (fixture, engine arguments); the block size is read from the engine (vLLM derives
+    # it at run time)
+    "granite": ("granite_model", {"dtype": "float32"}),
+    "qwen3next": ("qwen3next_model", {"dtype": "bfloat16"}),
+    "falcon_h1": ("falcon_h1_model", {"dtype": "float32"}),
+    "jamba": ("jamba_model", {"dtype": "float32"}),
+    "nemotron_h": (
+        "nemotron_h_model",
+        {"dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"},
+    ),
 }
 PROMPT_LEN = 1000
 
@@ -31,10 +39,10 @@ def boundary(block_size: int) -> int:
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model_run(request: pytest.FixtureRequest) -> dict[str, Any]:
-    fixture, dtype = MODELS[request.param]
+    fixture, engine = MODELS[request.param]
     model = str(request.getfixturevalue(fixture))
     a = prompt(1, PROMPT_LEN)
-    common = {"model": model, "dtype": dtype}
+    common = {"model": model, **engine}
     ref_a = run_scenario("baseline", {**common, "prompts": [a]})
     block_size = ref_a["block_size"]
     b = a[: boundary(block_size)] + prompt(2, 150)
@@ -46,6 +54,23 @@ def model_run(request: pytest.FixtureRequest) -> dict[str, Any]:
     )
     assert got["block_size"] == block_size
     return {"name": request.param, "block_size": block_size, "ref": ref, "got": got}
+
+
+# Mamba-type state dtypes each model's engine must have laid out (conv first): what the
+# hits above were exact on.
+STATE_DTYPES = {
+    "granite": ["float32", "float32"],
+    "falcon_h1": ["float32", "float32"],
+    "jamba": ["float32", "float32"],
+    "nemotron_h": ["bfloat16", "float32"],
+}
+
+
+def test_the_engine_kept_the_state_dtypes_the_model_asks_for(model_run):
+    dtypes = model_run["got"]["mamba_state_dtypes"]
+    assert dtypes, "no Mamba-type cache group: the model ran as a pure transformer"
+    if model_run["name"] in STATE_DTYPES:
+        assert dtypes == [STATE_DTYPES[model_run["name"]]], dtypes
 
 
 def test_repeated_prompt_after_gpu_reset_hits_cpu_tier_with_identical_tokens(model_run):

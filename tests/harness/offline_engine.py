@@ -54,6 +54,8 @@ def make_llm(args: dict[str, Any], extra: dict[str, Any] | None) -> Any:
         kw["worker_extension_cls"] = "himamba.connector.control.HiMambaWorkerExtension"
     if args.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = args["max_num_batched_tokens"]
+    if args.get("mamba_ssm_cache_dtype"):  # e.g. float32 SSM states beside a bf16 model
+        kw["mamba_ssm_cache_dtype"] = args["mamba_ssm_cache_dtype"]
     if args.get("tp", 1) > 1:
         # Workers in spawned processes; the engine core stays in this process.
         kw["tensor_parallel_size"] = args["tp"]
@@ -118,6 +120,17 @@ def connectors(llm: Any) -> tuple[Any, Any]:
 
     core = llm.llm_engine.engine_core.engine_core
     return core.scheduler.connector, get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def mamba_state_dtypes(llm: Any) -> list[list[str]]:
+    """Each Mamba-type cache group's state dtypes as the engine laid them out (conv, ssm, ...)."""
+    core = llm.llm_engine.engine_core.engine_core
+    out = []
+    for group in core.scheduler.kv_cache_config.kv_cache_groups:
+        dtypes = getattr(group.kv_cache_spec, "dtypes", None)
+        if dtypes is not None:
+            out.append([str(d).removeprefix("torch.") for d in dtypes])
+    return out
 
 
 def idle_steps(llm: Any, limit: int = 16) -> int:

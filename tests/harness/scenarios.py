@@ -24,6 +24,7 @@ from tests.harness.offline_engine import (
     idle_steps,
     leak_report,
     make_llm,
+    mamba_state_dtypes,
     prompt,
 )
 
@@ -50,7 +51,13 @@ def cpu_tier(args: dict[str, Any]) -> dict[str, Any]:
         rounds.append({"cold": cold, "gpu": gpu, "cpu": cpu})
     later = [generate(llm, [p])[0] for p in args.get("after", [])]
     sched, _ = connectors(llm)
-    result = {"rounds": rounds, "after": later, "stats": sched.stats(), "leaks": leak_report(llm)}
+    result = {
+        "rounds": rounds,
+        "after": later,
+        "stats": sched.stats(),
+        "leaks": leak_report(llm),
+        "mamba_state_dtypes": mamba_state_dtypes(llm),
+    }
     close_llm(llm)
     return result
 

@@ -44,49 +44,60 @@ _CHAT_TEMPLATE = (
 )
 
 
-def granite_hybrid_config(dtype: str = "float32") -> dict[str, Any]:
-    """GraniteMoeHybrid, dense (``num_local_experts=0``): Mamba2, attention, Mamba2, attention."""
-    n_layers = 4
+def _tiny(architecture: str, model_type: str, dtype: str, **fields: Any) -> dict[str, Any]:
+    """The fields every tiny model shares (vocabulary, widths, special ids), plus its own."""
     return {
-        "architectures": ["GraniteMoeHybridForCausalLM"],
-        "model_type": "granitemoehybrid",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 256,
         "intermediate_size": 512,
-        "shared_intermediate_size": 512,
-        "num_local_experts": 0,
-        "num_experts_per_tok": 0,
-        "num_hidden_layers": n_layers,
-        "layer_types": [
-            "linear_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
-        ],
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "hidden_act": "silu",
         "max_position_embeddings": 4096,
-        "position_embedding_type": "rope",
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "embedding_multiplier": 1.0,
-        "logits_scaling": 1.0,
-        "residual_multiplier": 1.0,
-        "attention_multiplier": 0.125,
-        "mamba_n_heads": 8,
-        "mamba_n_groups": 1,
-        "mamba_d_state": 16,
-        "mamba_d_head": 64,
-        "mamba_d_conv": 4,
-        "mamba_expand": 2,
-        "mamba_chunk_size": 256,
-        "mamba_conv_bias": True,
-        "mamba_proj_bias": False,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
         "dtype": dtype,
+        **fields,
     }
+
+
+def _alternating(n_layers: int) -> list[str]:
+    return ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+
+
+def granite_hybrid_config(dtype: str = "float32") -> dict[str, Any]:
+    """GraniteMoeHybrid, dense (``num_local_experts=0``): Mamba2, attention, Mamba2, attention."""
+    return _tiny(
+        "GraniteMoeHybridForCausalLM",
+        "granitemoehybrid",
+        dtype,
+        shared_intermediate_size=512,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        num_hidden_layers=4,
+        layer_types=_alternating(4),
+        hidden_act="silu",
+        position_embedding_type="rope",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        embedding_multiplier=1.0,
+        logits_scaling=1.0,
+        residual_multiplier=1.0,
+        attention_multiplier=0.125,
+        mamba_n_heads=8,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_head=64,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        mamba_conv_bias=True,
+        mamba_proj_bias=False,
+    )
 
 
 def qwen3_next_config(dtype: str = "float32") -> dict[str, Any]:
@@ -94,47 +105,97 @@ def qwen3_next_config(dtype: str = "float32") -> dict[str, Any]:
 
     vLLM's Qwen3-Next needs at least one sparse MoE layer, so ``decoder_sparse_step=1``.
     """
-    n_layers = 4
-    return {
-        "architectures": ["Qwen3NextForCausalLM"],
-        "model_type": "qwen3_next",
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": n_layers,
-        "layer_types": [
-            "linear_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
-        ],
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "hidden_act": "silu",
-        "max_position_embeddings": 4096,
-        "rope_parameters": {
+    return _tiny(
+        "Qwen3NextForCausalLM",
+        "qwen3_next",
+        dtype,
+        num_hidden_layers=4,
+        layer_types=_alternating(4),
+        head_dim=64,
+        hidden_act="silu",
+        rope_parameters={
             "rope_type": "default",
             "rope_theta": 10000.0,
             "partial_rotary_factor": 0.25,
         },
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 128,
-        "shared_expert_intermediate_size": 256,
-        "norm_topk_prob": True,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": PAD_ID,
-        "dtype": dtype,
-    }
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=256,
+        norm_topk_prob=True,
+    )
+
+
+def falcon_h1_config(dtype: str = "float32") -> dict[str, Any]:
+    """Falcon-H1: attention and a Mamba2 mixer side by side in every layer (four layers)."""
+    return _tiny(
+        "FalconH1ForCausalLM",
+        "falcon_h1",
+        dtype,
+        num_hidden_layers=4,
+        head_dim=64,
+        mamba_d_ssm=512,
+        mamba_n_heads=8,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        tie_word_embeddings=True,
+    )
+
+
+def nemotron_h_config(dtype: str = "float32") -> dict[str, Any]:
+    """Nemotron-H: Mamba2, MLP-only and attention layers in a pattern (six layers, two of each:
+    the MLP layers hold no cache at all)."""
+    return _tiny(
+        "NemotronHForCausalLM",
+        "nemotron_h",
+        dtype,
+        layers_block_type=["mamba", "mlp", "attention", "mamba", "mlp", "attention"],
+        head_dim=64,
+        ssm_state_size=16,
+        mamba_num_heads=8,
+        mamba_head_dim=64,
+        n_groups=1,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=256,
+        tie_word_embeddings=True,
+    )
+
+
+def jamba_config(dtype: str = "float32") -> dict[str, Any]:
+    """Jamba: Mamba1 (per-channel SSM, not Mamba2's heads), attention, Mamba1, attention; a
+    2-expert MoE in every other layer. Untied embeddings: vLLM's Jamba has its own LM head."""
+    return _tiny(
+        "JambaForCausalLM",
+        "jamba",
+        dtype,
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=16,
+        tie_word_embeddings=False,
+    )
 
 
 def build_granite_hybrid(root: Path = DEFAULT_CACHE_DIR, dtype: str = "float32") -> Path:
@@ -153,6 +214,21 @@ def build_granite_hybrid_wide_state(root: Path = DEFAULT_CACHE_DIR) -> Path:
 def build_qwen3_next(root: Path = DEFAULT_CACHE_DIR, dtype: str = "float32") -> Path:
     """Build (or reuse) the tiny Qwen3-Next checkpoint with a tokenizer; return its folder."""
     return build_model(root, f"qwen3-next-{dtype}", qwen3_next_config(dtype))
+
+
+def build_falcon_h1(root: Path = DEFAULT_CACHE_DIR, dtype: str = "float32") -> Path:
+    """Build (or reuse) the tiny Falcon-H1 checkpoint with a tokenizer; return its folder."""
+    return build_model(root, f"falcon-h1-{dtype}", falcon_h1_config(dtype))
+
+
+def build_nemotron_h(root: Path = DEFAULT_CACHE_DIR, dtype: str = "float32") -> Path:
+    """Build (or reuse) the tiny Nemotron-H checkpoint with a tokenizer; return its folder."""
+    return build_model(root, f"nemotron-h-{dtype}", nemotron_h_config(dtype))
+
+
+def build_jamba(root: Path = DEFAULT_CACHE_DIR, dtype: str = "float32") -> Path:
+    """Build (or reuse) the tiny Jamba checkpoint with a tokenizer; return its folder."""
+    return build_model(root, f"jamba-{dtype}", jamba_config(dtype))
 
 
 def build_tokenizer(model_dir: Path) -> None:
