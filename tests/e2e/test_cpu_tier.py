@@ -1,9 +1,10 @@
 """End to end on a real vLLM CPU engine: prefixes served from the CPU tier are token-exact.
 
-Every comparison is against an engine with no connector at all (float32 for
-Granite, Falcon-H1 and Jamba, so equality is exact; Qwen3-Next's CPU GDN kernel needs bf16, and the
-hit run computes the same final chunk on the same bytes, so it is exact too). Nemotron-H runs
-bf16 with float32 SSM states (``mamba_ssm_cache_dtype``), so its state pages mix two dtypes.
+Every comparison is against an engine with no connector at all (float32 for Granite, also with
+an fp8 KV cache, Falcon-H1 and Jamba, so equality is exact; Qwen3-Next's CPU GDN kernel needs
+bf16, and the hit run computes the same final chunk on the same bytes, so it is exact too).
+Nemotron-H runs bf16 with float32 SSM states (``mamba_ssm_cache_dtype``), so its state pages
+mix two dtypes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (fixture, engine arguments); the block size is read from the engine (vLLM derives
     # it at run time)
     "granite": ("granite_model", {"dtype": "float32"}),
+    # fp8 attention KV: the attention page halves, so vLLM doubles the block size
+    "granite_fp8_kv": ("granite_model", {"dtype": "float32", "kv_cache_dtype": "fp8"}),
     "qwen3next": ("qwen3next_model", {"dtype": "bfloat16"}),
     "falcon_h1": ("falcon_h1_model", {"dtype": "float32"}),
     "jamba": ("jamba_model", {"dtype": "float32"}),
@@ -56,21 +59,22 @@ def model_run(request: pytest.FixtureRequest) -> dict[str, Any]:
     return {"name": request.param, "block_size": block_size, "ref": ref, "got": got}
 
 
-# Mamba-type state dtypes each model's engine must have laid out (conv first): what the
-# hits above were exact on.
-STATE_DTYPES = {
-    "granite": ["float32", "float32"],
-    "falcon_h1": ["float32", "float32"],
-    "jamba": ["float32", "float32"],
-    "nemotron_h": ["bfloat16", "float32"],
+# Cache dtypes each model's engine must have laid out (Mamba-type states conv first, then
+# attention KV): what the hits above were exact on.
+CACHE_DTYPES = {
+    "granite": {"mamba": [["float32", "float32"]], "attention": [["float32"]]},
+    "granite_fp8_kv": {"mamba": [["float32", "float32"]], "attention": [["uint8"]]},  # fp8 bytes
+    "falcon_h1": {"mamba": [["float32", "float32"]], "attention": [["float32"]]},
+    "jamba": {"mamba": [["float32", "float32"]], "attention": [["float32"]]},
+    "nemotron_h": {"mamba": [["bfloat16", "float32"]], "attention": [["bfloat16"]]},
 }
 
 
-def test_the_engine_kept_the_state_dtypes_the_model_asks_for(model_run):
-    dtypes = model_run["got"]["mamba_state_dtypes"]
-    assert dtypes, "no Mamba-type cache group: the model ran as a pure transformer"
-    if model_run["name"] in STATE_DTYPES:
-        assert dtypes == [STATE_DTYPES[model_run["name"]]], dtypes
+def test_the_engine_kept_the_cache_dtypes_the_model_asks_for(model_run):
+    dtypes = model_run["got"]["cache_dtypes"]
+    assert dtypes["mamba"], "no Mamba-type cache group: the model ran as a pure transformer"
+    if model_run["name"] in CACHE_DTYPES:
+        assert dtypes == CACHE_DTYPES[model_run["name"]], dtypes
 
 
 def test_repeated_prompt_after_gpu_reset_hits_cpu_tier_with_identical_tokens(model_run):

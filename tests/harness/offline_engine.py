@@ -54,8 +54,9 @@ def make_llm(args: dict[str, Any], extra: dict[str, Any] | None) -> Any:
         kw["worker_extension_cls"] = "himamba.connector.control.HiMambaWorkerExtension"
     if args.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = args["max_num_batched_tokens"]
-    if args.get("mamba_ssm_cache_dtype"):  # e.g. float32 SSM states beside a bf16 model
-        kw["mamba_ssm_cache_dtype"] = args["mamba_ssm_cache_dtype"]
+    for key in ("mamba_ssm_cache_dtype", "kv_cache_dtype"):  # float32 SSM states, fp8 KV ...
+        if args.get(key):
+            kw[key] = args[key]
     if args.get("tp", 1) > 1:
         # Workers in spawned processes; the engine core stays in this process.
         kw["tensor_parallel_size"] = args["tp"]
@@ -122,14 +123,16 @@ def connectors(llm: Any) -> tuple[Any, Any]:
     return core.scheduler.connector, get_kv_transfer_group() if has_kv_transfer_group() else None
 
 
-def mamba_state_dtypes(llm: Any) -> list[list[str]]:
-    """Each Mamba-type cache group's state dtypes as the engine laid them out (conv, ssm, ...)."""
+def cache_dtypes(llm: Any) -> dict[str, list[list[str]]]:
+    """The dtypes the engine laid its cache groups out in: each Mamba-type group's state dtypes
+    (conv, ssm, ...) and each attention group's KV dtype."""
     core = llm.llm_engine.engine_core.engine_core
-    out = []
+    out: dict[str, list[list[str]]] = {"mamba": [], "attention": []}
     for group in core.scheduler.kv_cache_config.kv_cache_groups:
-        dtypes = getattr(group.kv_cache_spec, "dtypes", None)
-        if dtypes is not None:
-            out.append([str(d).removeprefix("torch.") for d in dtypes])
+        spec = group.kv_cache_spec
+        dtypes = getattr(spec, "dtypes", None)
+        kind, found = ("mamba", dtypes) if dtypes is not None else ("attention", [spec.dtype])
+        out[kind].append([str(d).removeprefix("torch.") for d in found])
     return out
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from tests.harness.offline_engine import (
     ENGINE,
+    cache_dtypes,
     close_llm,
     connectors,
     drop_host_tier,
@@ -24,7 +25,6 @@ from tests.harness.offline_engine import (
     idle_steps,
     leak_report,
     make_llm,
-    mamba_state_dtypes,
     prompt,
 )
 
@@ -56,7 +56,7 @@ def cpu_tier(args: dict[str, Any]) -> dict[str, Any]:
         "after": later,
         "stats": sched.stats(),
         "leaks": leak_report(llm),
-        "mamba_state_dtypes": mamba_state_dtypes(llm),
+        "cache_dtypes": cache_dtypes(llm),
     }
     close_llm(llm)
     return result
