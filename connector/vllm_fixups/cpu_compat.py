@@ -260,7 +260,7 @@ def without_prefill_checkpoints(spec: _Spec, mamba_spec_type: type) -> _Spec:
 
 
 def patch_mamba1_scan() -> bool:
-    """Give the CPU build Mamba1's prefill scan (and decode layout); True when in place."""
+    """Give the CPU build Mamba1's prefill scan and decode step; True when in place."""
     from himamba.connector.vllm_fixups import cpu_mamba1_scan
 
     try:

@@ -55,8 +55,9 @@ _PATCH_FLAG = "_himamba_cpu_mamba1_scan"
 
 def install(mixer_module: Any) -> bool:
     """Put the CPU scan in place of ``vllm._custom_ops.selective_scan_fwd`` when this build has
-    no compiled op, with the decode reshape in ``mixer_module`` (vLLM's ``mamba_mixer``) and
-    the GEMM guard; True when a working op is in place (vLLM's own or this one)."""
+    no compiled op, with the Mamba1 decode step routed in ``mixer_module`` (vLLM's
+    ``mamba_mixer``) and the GEMM guard; True when a working op is in place (vLLM's own or
+    this one)."""
     import importlib
 
     ops = importlib.import_module(OPS_MODULE)
@@ -122,22 +123,45 @@ def mamba1_decode_cpu(
     src = state_batch_indices.tolist()
     dst = dst_state_batch_indices.tolist() if dst_state_batch_indices is not None else src
     a = A.float()
+    d = D.float() if D is not None else None
+    bias = dt_bias.float() if dt_bias is not None else None
     for i, slot in enumerate(src):
         if slot == null_block_id:
             continue
-        step = dt[i].float() + (dt_bias.float() if dt_bias is not None else 0.0)
-        if dt_softplus:
-            step = torch.nn.functional.softplus(step)
-        xi = x[i].float()
-        h = torch.exp(step[:, None] * a) * state[slot].float()
-        h += (step * xi)[:, None] * B[i].float()[None, :]
-        y = h @ C[i].float()
-        if D is not None:
-            y += D.float() * xi
+        h, y = _token_step(state[slot].float(), x[i], dt[i], a, B[i], C[i], d, bias, dt_softplus)
         if z is not None:
-            y *= torch.nn.functional.silu(z[i].float())
+            y = y * torch.nn.functional.silu(z[i].float())
         out[i] = y.to(out.dtype)
         state[dst[i]] = h.to(state.dtype)
+
+
+def _token_step(
+    h: torch.Tensor,
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    softplus: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the selective-scan recurrence in float32: the state after it and the
+    ungated output. ``h`` ``(dim, dstate)``; ``u``, ``dt`` ``(dim,)``; ``b``, ``c`` ``(dstate,)``.
+    Every op works on one token's column, so a token's bytes do not depend on how many tokens
+    share a call (vectorised exp/softplus round a long tensor's tail elements differently):
+    a sequence computed in pieces matches one pass bit for bit."""
+    u = u.float()
+    step = dt.float()
+    if bias is not None:
+        step = step + bias
+    if softplus:
+        step = torch.nn.functional.softplus(step)  # threshold 20, as the kernel
+    h = torch.exp(step[:, None] * a) * h + (step * u)[:, None] * b.float()
+    y = h @ c.float()
+    if d is not None:
+        y = y + d * u
+    return h, y
 
 
 def contiguous_cpu_linear(dispatch: Callable[..., None]) -> Callable[..., None]:
@@ -229,20 +253,10 @@ def selective_scan_fwd_cpu(
             if initial is not None and initial[i]
             else torch.zeros(a.shape, dtype=torch.float32)
         )
-        # Every op below works on one token's column, so each token's bytes do not depend on
-        # how many tokens share the call (vectorised exp/softplus/silu round their tail
-        # elements differently): a sequence computed in pieces matches one pass bit for bit.
         for t in range(start, end):
-            ut = u[:, t].float()
-            step = delta[:, t].float()
-            if bias is not None:
-                step = step + bias
-            if delta_softplus:
-                step = torch.nn.functional.softplus(step)  # threshold 20, as the kernel
-            h = torch.exp(step[:, None] * a) * h + (step * ut)[:, None] * B[0, :, t].float()
-            y = h @ C[0, :, t].float()
-            if d is not None:
-                y = y + d * ut
+            h, y = _token_step(
+                h, u[:, t], delta[:, t], a, B[0, :, t], C[0, :, t], d, bias, delta_softplus
+            )
             delta[:, t] = y.to(delta.dtype)
             if z_ is not None:
                 z_[:, t] = (y * torch.nn.functional.silu(z_[:, t].float())).to(z_.dtype)

@@ -8,7 +8,9 @@ several chunks; the connector's hits on it are in ``test_cpu_tier.py``.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,11 +25,19 @@ NEW_TOKENS = 16
 TIE_GAP = 1e-3
 
 
-def _reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+@functools.cache
+def _transformers_model(model: Path) -> Any:
+    """transformers' own Jamba for the checkpoint (its PyTorch reference scan), loaded once."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+
+
+def _reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    import torch
+
+    hf = _transformers_model(model)
     out = []
     with torch.no_grad():
         for p in prompts:
@@ -40,11 +50,9 @@ def _reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
 def _first_gap(model: Path, context: list[int], a: int, b: int) -> float:
     """transformers' logit gap between tokens ``a`` and ``b`` after ``context``."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
     with torch.no_grad():
-        logits = hf(torch.tensor([context])).logits[0, -1]
+        logits = _transformers_model(model)(torch.tensor([context])).logits[0, -1]
     return abs(float(logits[a] - logits[b]))
 
 
